@@ -1,0 +1,32 @@
+"""Process-wide settings of the runtime, set by activation and read on the hot path."""
+
+import torch
+
+
+class Settings:
+    """Mutable settings; one instance, `settings`, lives for the process."""
+
+    def __init__(self):
+        self.strict = False
+        # Compare each mapping with torch's meta kernels the first time a signature is seen.
+        self.check_signatures = True
+        # JAX platform that 'cuda' names ('cpu', 'gpu', 'tpu'); None until activation picks one.
+        self.platform = None
+        # The name scripts see for bridge devices.
+        self.device_type = "cuda"
+
+
+settings = Settings()
+
+
+def matmul_precision():
+    """The `jax.lax.Precision` matching torch's float32 matmul setting.
+
+    torch's default ("highest") is full float32; "high" and "medium" allow TF32
+    or bf16 passes, which XLA's DEFAULT precision gives on GPUs.
+    """
+    from jax import lax
+
+    if torch.get_float32_matmul_precision() == "highest" and not torch.backends.cuda.matmul.allow_tf32:
+        return lax.Precision.HIGHEST
+    return lax.Precision.DEFAULT

@@ -1,0 +1,77 @@
+"""The device model: which JAX devices the script's 'cuda:N' names stand for."""
+
+import functools
+
+import jax
+import torch
+
+from .config import settings
+from .errors import DeviceError
+
+
+@functools.lru_cache(maxsize=None)
+def _backend_devices(platform):
+    try:
+        return tuple(jax.devices(platform))
+    except RuntimeError as error:
+        raise DeviceError(
+            f"the bridge was asked to run on the JAX platform {platform!r}, which is not available here "
+            f"({error}); pass --device auto or --device cpu"
+        ) from None
+
+
+def backend_devices():
+    """The JAX devices that bridge device ordinals 0..N-1 stand for."""
+    return _backend_devices(settings.platform or jax.default_backend())
+
+
+def device_count():
+    return len(backend_devices())
+
+
+def jax_device(index):
+    devices = backend_devices()
+    if not 0 <= index < len(devices):
+        raise DeviceError(
+            f"device ordinal {index} was requested, but the JAX backend "
+            f"{devices[0].platform!r} has {len(devices)} device(s) (ordinals 0..{len(devices) - 1}); "
+            f"use one of those, or check CUDA_VISIBLE_DEVICES"
+        )
+    return devices[index]
+
+
+@functools.lru_cache(maxsize=None)
+def torch_device(index):
+    """The torch.device a script sees for bridge ordinal `index` (cached: it is returned on every `.device`)."""
+    return torch.device(settings.device_type, index)
+
+
+def bridge_index(device):
+    """The bridge ordinal a torch device argument names, or None if it names no bridge device.
+
+    Accepts what torch accepts: torch.device, 'cuda', 'cuda:1', and bare integers
+    (which mean cuda:N in torch).
+    """
+    if device is None:
+        return None
+    if isinstance(device, int) and not isinstance(device, bool):
+        return device
+    if isinstance(device, str):
+        if not device.startswith(settings.device_type):
+            return None
+        device = torch.device(device)
+    if isinstance(device, torch.device) and device.type == settings.device_type:
+        return current_index() if device.index is None else device.index
+    return None
+
+
+_current = [0]
+
+
+def current_index():
+    return _current[0]
+
+
+def set_current_index(index):
+    jax_device(index)  # validates the ordinal
+    _current[0] = index

@@ -1,0 +1,25 @@
+"""Exceptions the bridge raises for the person running a script.
+
+Every message says which torch call failed, where in the user's script, why,
+and what to do about it. One class per kind of failure, all under BridgeError.
+"""
+
+
+class BridgeError(RuntimeError):
+    """Base class of every error the bridge raises on purpose."""
+
+
+class UnsupportedOpError(BridgeError):
+    """A torch operator has no mapping and no decomposition, and --strict forbids the CPU fallback."""
+
+
+class MappingMismatchError(BridgeError):
+    """A mapping's result disagrees with torch's own shape/dtype inference (a bug in a table entry)."""
+
+
+class DeviceError(BridgeError):
+    """A script asked for a device the JAX backend does not have."""
+
+
+class ActivationError(BridgeError):
+    """The bridge was activated in a way it cannot honour."""

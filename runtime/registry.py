@@ -1,0 +1,145 @@
+"""The mapping registry: one entry per torch operator overload, declared by `op_mappings`.
+
+An entry is a pure JAX function taking the ATen op's arguments with tensors
+replaced by `jax.Array`s. What is needed to run and check it (the overloads it
+serves, its type-promotion kind, whether it draws random numbers) is declared
+on it once, with `register_mapping`; promotion and result casting live here so
+that entry bodies are only the computation.
+"""
+
+import dataclasses
+from typing import Callable, Optional
+
+from torch._ops import OpOverload, OpOverloadPacket
+
+from . import dtypes
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+    op: OpOverload
+    body: Callable  # the entry as written in op_mappings
+    call: Callable  # body wrapped with type promotion; what dispatch runs
+    promote: Optional[str]
+    rng: bool
+    family: str
+    # Names of arguments the op writes besides its outputs (running stats of batch norm):
+    # the body returns (outputs, {name: new value}) and the runtime writes them back.
+    mutates: tuple = ()
+
+
+MAPPINGS: dict = {}
+
+
+def _operand_positions(op, names):
+    """(position, name) of the arguments that take part in type promotion."""
+    chosen = []
+    for position, argument in enumerate(op._schema.arguments):
+        if names is not None:
+            if argument.name in names:
+                chosen.append((position, argument.name))
+            continue
+        kind = str(argument.type)
+        if argument.kwarg_only:
+            continue
+        if kind.startswith("Tensor") or kind.startswith("Scalar") or kind in ("number", "float", "int"):
+            chosen.append((position, argument.name))
+    return tuple(chosen)
+
+
+def _promoting(body, op, kind, names):
+    positions = _operand_positions(op, names)
+
+    def call(*args, **kwargs):
+        operands = []
+        for position, name in positions:
+            if position < len(args):
+                operands.append(args[position])
+            elif name in kwargs:
+                operands.append(kwargs[name])
+        compute, result = dtypes.elementwise_dtypes(kind, operands)
+        compute_jax = dtypes.TORCH_TO_JAX[compute]
+        if any(getattr(value, "dtype", compute_jax) != compute_jax for value in operands):
+            args = list(args)
+            for position, name in positions:
+                if position < len(args):
+                    args[position] = _cast(args[position], compute_jax)
+                elif name in kwargs:
+                    kwargs[name] = _cast(kwargs[name], compute_jax)
+        out = body(*args, **kwargs)
+        result_jax = dtypes.TORCH_TO_JAX[result]
+        if out.dtype != result_jax:
+            out = out.astype(result_jax)
+        return out
+
+    return call
+
+
+def _cast(value, dtype):
+    if hasattr(value, "dtype") and value.dtype != dtype:
+        return value.astype(dtype)
+    return value
+
+
+def _overloads(op):
+    if isinstance(op, OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    if isinstance(op, OpOverload):
+        return [op]
+    raise TypeError(f"register_mapping takes ATen operators (aten.add, aten.add.Tensor), not {op!r}")
+
+
+def register_mapping(*ops, promote=None, operands=None, rng=False, mutates=(), family=None):
+    """Declare a JAX function as the mapping of one or more ATen ops.
+
+    ops: `OpOverload`s, or `OpOverloadPacket`s meaning every overload they have
+        except `out=` and in-place ones, which the runtime derives from the
+        functional entry.
+    promote: a promotion kind of `runtime.dtypes` (DEFAULT, INT_TO_FLOAT,
+        ALWAYS_BOOL, ...): operands are cast to the dtype torch computes in and
+        the result to the dtype torch returns, so the body need not.
+    operands: names of the arguments that take part in promotion (default:
+        the positional Tensor and Scalar arguments).
+    rng: the body takes a `key=` keyword with a fresh JAX PRNG key.
+    mutates: for ops that write some arguments in place besides `self`/`out=`
+        (batch norm's running stats): the body returns `(result, {name: value})`
+        and the runtime writes each value into that argument.
+    """
+
+    def decorate(body):
+        for packet_or_op in ops:
+            for op in _overloads(packet_or_op):
+                if isinstance(packet_or_op, OpOverloadPacket) and _is_derived_variant(op) and not mutates:
+                    continue
+                call = body if promote is None else _promoting(body, op, promote, operands)
+                MAPPINGS[op] = Mapping(
+                    op=op,
+                    body=body,
+                    call=call,
+                    promote=promote,
+                    rng=rng,
+                    family=family or body.__module__.rsplit(".", 1)[-1],
+                    mutates=tuple(mutates),
+                )
+        return body
+
+    return decorate
+
+
+def _is_derived_variant(op):
+    schema = op._schema
+    return any(argument.alias_info is not None and argument.alias_info.is_write for argument in schema.arguments)
+
+
+def lookup(op):
+    return MAPPINGS.get(op)
+
+
+def jnp_dtype(torch_dtype, default=None):
+    """Helper for entries with a `dtype=` argument."""
+    if torch_dtype is None:
+        return default
+    return dtypes.TORCH_TO_JAX[torch_dtype]
+
+
+__all__ = ["Mapping", "MAPPINGS", "register_mapping", "lookup", "jnp_dtype"]
