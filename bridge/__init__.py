@@ -1,0 +1,52 @@
+"""bridge: run unmodified PyTorch programs on JAX/XLA.
+
+    import bridge
+    bridge.activate()            # or: with bridge.active(): ...
+    ...torch code using "cuda"...
+    bridge.deactivate()
+
+`import bridge.auto` activates with defaults (environment variables
+BRIDGE_DEVICE, BRIDGE_STRICT, BRIDGE_REPORT, BRIDGE_QUIET override them);
+`python -m bridge run script.py args...` runs a script under the bridge.
+"""
+
+import contextlib
+
+from runtime.errors import (  # noqa: F401  (re-exported for users)
+    ActivationError,
+    BridgeError,
+    DeviceError,
+    MappingMismatchError,
+    UnsupportedOpError,
+)
+
+from . import report  # noqa: F401
+from .activation import activate, deactivate, is_active
+
+__version__ = "0.1.0"
+
+
+@contextlib.contextmanager
+def active(**options):
+    """Activate for the body of a `with` block; a no-op if the bridge is already active."""
+    already = is_active()
+    if not already:
+        activate(**options)
+    try:
+        yield
+    finally:
+        if not already:
+            deactivate()
+
+
+__all__ = [
+    "activate",
+    "deactivate",
+    "active",
+    "is_active",
+    "BridgeError",
+    "UnsupportedOpError",
+    "MappingMismatchError",
+    "DeviceError",
+    "ActivationError",
+]

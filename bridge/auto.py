@@ -1,0 +1,20 @@
+"""`import bridge.auto`: activate the bridge with defaults at import time.
+
+Environment variables override the defaults: BRIDGE_DEVICE (auto|cpu|gpu|tpu),
+BRIDGE_STRICT=1, BRIDGE_REPORT=path.json, BRIDGE_QUIET=1 (no exit summary).
+"""
+
+import atexit
+import os
+
+import bridge
+from bridge import report
+
+
+def _flag(name):
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+if not bridge.is_active():
+    bridge.activate(device=os.environ.get("BRIDGE_DEVICE", "auto"), strict=_flag("BRIDGE_STRICT"))
+    atexit.register(report.finish, os.environ.get("BRIDGE_REPORT") or None, _flag("BRIDGE_QUIET"))

@@ -1,0 +1,104 @@
+"""The command line: `python -m bridge run SCRIPT [ARGS...]` (and the `bridge` console script)."""
+
+import argparse
+import os
+import runpy
+import sys
+import traceback
+
+DEVICES = ("auto", "cpu", "gpu", "tpu")
+
+
+def _parser():
+    parser = argparse.ArgumentParser(
+        prog="bridge",
+        description="Run unmodified PyTorch programs on JAX/XLA.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    run = commands.add_parser(
+        "run",
+        help="run a PyTorch script under the bridge",
+        description=(
+            "Run SCRIPT as __main__ with its own arguments, as `python SCRIPT ARGS` would, with torch's "
+            "'cuda' device mapped onto JAX. Options for the bridge go before SCRIPT; everything after it "
+            "is the script's own argv."
+        ),
+    )
+    run.add_argument("--report", metavar="PATH", help="write the run report as JSON to PATH")
+    run.add_argument(
+        "--strict",
+        action="store_true",
+        help="make every op that would fall back to eager torch on the CPU an error naming the op and the calling line",
+    )
+    run.add_argument("--quiet", action="store_true", help="do not print the summary on stderr at exit")
+    run.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="the JAX platform the script's 'cuda' device stands for (default: JAX's default backend)",
+    )
+    run.add_argument("script", help="the Python script to run")
+    run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    return parser
+
+
+def run_script(script, args, report=None, strict=False, quiet=False, device="auto"):
+    """Run a script under the bridge as `python script args` would; returns the exit code."""
+    import bridge
+    from bridge import report as run_report
+
+    path = os.path.abspath(script)
+    if not os.path.exists(path):
+        print(f"bridge: can't open file {script!r}: no such file", file=sys.stderr)
+        return 2
+    sys.argv = [script, *args]
+    sys.path[0] = os.path.dirname(path)
+    bridge.activate(device=device, strict=strict)
+    code = 0
+    try:
+        runpy.run_path(path, run_name="__main__")
+    except SystemExit as exit_request:
+        code = _exit_code(exit_request)
+    except BaseException as error:  # noqa: BLE001 - reported like Python does, then a non-zero exit
+        _print_user_traceback(error, path)
+        code = 130 if isinstance(error, KeyboardInterrupt) else 1
+    finally:
+        sys.stdout.flush()
+        run_report.finish(report, quiet)
+    return code
+
+
+def _exit_code(exit_request):
+    value = exit_request.code
+    if value is None:
+        return 0
+    if isinstance(value, int):
+        return value
+    print(value, file=sys.stderr)
+    return 1
+
+
+def _print_user_traceback(error, path):
+    """The traceback as Python would print it, without the runner's own frames above the script."""
+    tb = error.__traceback__
+    while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != path:
+        tb = tb.tb_next
+    traceback.print_exception(type(error), error, tb or error.__traceback__)
+
+
+def main(argv=None):
+    options = _parser().parse_args(argv)
+    if options.command == "run":
+        return run_script(
+            options.script,
+            options.args,
+            report=options.report,
+            strict=options.strict,
+            quiet=options.quiet,
+            device=options.device,
+        )
+    return 2
+
+
+def console_main():
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Devices: 'cuda' in torch's API names the bridge's JAX devices.
+
+Covers moving tensors (`Tensor.to/cuda`), factory functions called with
+`device=`, and the `torch.cuda` / `torch.accelerator` queries scripts make.
+"""
+
+import functools
+
+import jax
+import torch
+
+from runtime import devices
+from runtime.tensor import BridgeTensor, to_bridge, to_bridge_autograd, read_value
+
+from . import collect, replace, wrap
+
+
+def _parse_to(args, kwargs):
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0].device, args[0].dtype
+    device, dtype, _non_blocking, _memory_format = torch._C._nn._parse_to(
+        *args, **{name: value for name, value in kwargs.items() if name != "copy"}
+    )
+    return device, dtype
+
+
+@wrap(torch.Tensor, "to")
+def tensor_to(wrapped, instance, args, kwargs):
+    device, dtype = _parse_to(args, kwargs)
+    index = devices.bridge_index(device)
+    if index is None:
+        return wrapped(*args, **kwargs)
+    tensor = instance if dtype is None or dtype == instance.dtype else instance.to(dtype)
+    return to_bridge_autograd(tensor, index)
+
+
+@wrap(torch.Tensor, "cuda")
+def tensor_cuda(wrapped, instance, args, kwargs):
+    device = args[0] if args else kwargs.get("device")
+    index = devices.current_index() if device is None else devices.bridge_index(device)
+    if index is None:
+        index = torch.device(device).index or 0
+    return to_bridge_autograd(instance, index)
+
+
+@wrap(torch.Tensor, "pin_memory")
+def tensor_pin_memory(wrapped, instance, args, kwargs):
+    # Host memory the JAX runtime copies from needs no pinning through torch.
+    return instance
+
+
+@wrap(torch.Tensor, "is_pinned")
+def tensor_is_pinned(wrapped, instance, args, kwargs):
+    return False
+
+
+# Factory functions that take device=.
+_FACTORIES = (
+    "tensor", "as_tensor", "zeros", "ones", "empty", "full", "rand", "randn", "randint", "randperm",
+    "arange", "range", "linspace", "logspace", "eye", "zeros_like", "ones_like", "empty_like",
+    "full_like", "rand_like", "randn_like", "randint_like", "empty_strided", "normal", "tril_indices",
+    "triu_indices", "scalar_tensor", "bartlett_window", "hann_window", "hamming_window",
+    "blackman_window", "kaiser_window",
+)
+
+
+def _factory(wrapped, instance, args, kwargs):
+    device = kwargs.get("device")
+    if device is None:
+        return wrapped(*args, **kwargs)
+    index = devices.bridge_index(device)
+    if index is None:
+        return wrapped(*args, **kwargs)
+    kwargs = dict(kwargs)
+    del kwargs["device"]
+    requires_grad = kwargs.pop("requires_grad", False)
+    kwargs.pop("pin_memory", None)
+    result = wrapped(*args, **kwargs)
+    if not isinstance(result, BridgeTensor):
+        result = to_bridge(result, index)
+    if requires_grad:
+        result.requires_grad_(True)
+    return result
+
+
+def _factory_patches():
+    from . import Patch
+
+    return [Patch(torch, name, wrapper=_factory) for name in _FACTORIES if hasattr(torch, name)]
+
+
+# torch.cuda queries.
+@replace(torch.cuda, "is_available")
+def is_available():
+    return True
+
+
+@replace(torch.cuda, "device_count")
+def device_count():
+    return devices.device_count()
+
+
+@replace(torch.cuda, "current_device")
+def current_device():
+    return devices.current_index()
+
+
+@replace(torch.cuda, "set_device")
+def set_device(device):
+    index = devices.bridge_index(device)
+    devices.set_current_index(index if index is not None else int(device))
+
+
+@replace(torch.cuda, "is_initialized")
+def is_initialized():
+    return True
+
+
+@replace(torch.cuda, "init")
+def init():
+    return None
+
+
+@replace(torch.cuda, "synchronize")
+def synchronize(device=None):
+    # Every dispatched JAX computation finishes before this returns.
+    jax.effects_barrier()
+    for array in jax.live_arrays():
+        array.block_until_ready()
+
+
+def _index_of(device):
+    if device is None:
+        return devices.current_index()
+    index = devices.bridge_index(device)
+    return index if index is not None else int(device)
+
+
+@replace(torch.cuda, "get_device_name")
+def get_device_name(device=None):
+    jax_device = devices.jax_device(_index_of(device))
+    return f"{jax_device.device_kind} (JAX {jax_device.platform}, via bridge)"
+
+
+@replace(torch.cuda, "get_device_capability")
+def get_device_capability(device=None):
+    # Scripts use this to pick bf16/flash paths; report an Ampere-class device.
+    return (8, 0)
+
+
+class DeviceProperties:
+    """What `torch.cuda.get_device_properties` reports for a bridge device."""
+
+    def __init__(self, jax_device):
+        stats = _memory_stats(jax_device)
+        self.name = f"{jax_device.device_kind} (JAX {jax_device.platform}, via bridge)"
+        self.total_memory = stats.get("bytes_limit", 0)
+        self.major, self.minor = 8, 0
+        self.multi_processor_count = getattr(jax_device, "core_count", 1) or 1
+        self.is_integrated = False
+        self.is_multi_gpu_board = False
+
+    def __repr__(self):
+        return f"_CudaDeviceProperties(name='{self.name}', major={self.major}, minor={self.minor}, total_memory={self.total_memory // 2**20}MB)"
+
+
+@replace(torch.cuda, "get_device_properties")
+def get_device_properties(device=None):
+    return DeviceProperties(devices.jax_device(_index_of(device)))
+
+
+@replace(torch.cuda, "is_bf16_supported")
+def is_bf16_supported(including_emulation=True):
+    return True
+
+
+def _memory_stats(jax_device):
+    try:
+        return jax_device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - the CPU backend has no memory statistics
+        return {}
+
+
+@replace(torch.cuda, "memory_allocated")
+def memory_allocated(device=None):
+    return _memory_stats(devices.jax_device(_index_of(device))).get("bytes_in_use", 0)
+
+
+@replace(torch.cuda, "max_memory_allocated")
+def max_memory_allocated(device=None):
+    return _memory_stats(devices.jax_device(_index_of(device))).get("peak_bytes_in_use", 0)
+
+
+@replace(torch.cuda, "memory_reserved")
+def memory_reserved(device=None):
+    stats = _memory_stats(devices.jax_device(_index_of(device)))
+    return stats.get("bytes_reserved", stats.get("bytes_in_use", 0))
+
+
+@replace(torch.cuda, "max_memory_reserved")
+def max_memory_reserved(device=None):
+    stats = _memory_stats(devices.jax_device(_index_of(device)))
+    return stats.get("peak_bytes_reserved", stats.get("peak_bytes_in_use", 0))
+
+
+@replace(torch.cuda, "reset_peak_memory_stats")
+def reset_peak_memory_stats(device=None):
+    return None
+
+
+@replace(torch.cuda, "empty_cache")
+def empty_cache():
+    return None
+
+
+PATCHES = collect(dict(globals())) + _factory_patches()

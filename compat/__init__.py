@@ -1,0 +1,1 @@
+"""Compatibility measurement: torch's OpInfo/ModuleInfo databases and script corpora run through the bridge."""

@@ -1,0 +1,500 @@
+"""Dispatch from torch into the mapping tables, and the fallback ladder.
+
+Each ATen overload gets a plan the first time it is seen (mapped, view,
+in-place or out= derived from a functional entry, decomposed, CPU fallback);
+later calls run the cached plan. The first call of each signature is also
+checked against torch's meta kernel, which gives torch's own error for bad
+input and catches table entries whose shape or dtype disagree with torch.
+"""
+
+import warnings
+
+import jax
+import torch
+import torch._decomp
+
+from . import devices, random, stats
+from .callsite import user_call_site
+from .config import settings
+from .errors import MappingMismatchError, UnsupportedOpError
+from .registry import MAPPINGS
+from .tensor import BridgeTensor, numpy_to_torch, read_value, torch_to_numpy, write_value
+from . import tensor as tensor_module
+from .views import ViewStep
+
+aten = torch.ops.aten
+
+_plans = {}  # OpOverload -> callable(args, kwargs)
+_checked = {}  # signature -> None (agrees with torch) or tuple of torch dtypes to cast to
+_UNCHECKED = object()
+
+# Ops whose result depends on data, so torch's meta kernels cannot describe it.
+_DATA_DEPENDENT = {
+    aten._local_scalar_dense.default,
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.unique_dim.default,
+    aten._unique2.default,
+    aten.unique_consecutive.default,
+    aten.equal.default,
+    aten.is_nonzero.default,
+    aten.allclose.default,
+}
+
+
+def dispatch(func, args, kwargs):
+    plan = _plans.get(func)
+    if plan is None:
+        plan = _make_plan(func)
+    stats.op_counts[func] += 1
+    return plan(args, kwargs)
+
+
+tensor_module._dispatch = dispatch
+
+
+# ---------------------------------------------------------------- unwrapping
+
+
+def _unwrap(value, index):
+    """Replace bridge tensors (and stray plain tensors) by jax arrays; lists stay lists."""
+    if isinstance(value, BridgeTensor):
+        return read_value(value)
+    if isinstance(value, torch.Tensor):
+        return jax.device_put(torch_to_numpy(value), devices.jax_device(index))
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None))):
+        return [_unwrap(item, index) for item in value]
+    return value
+
+
+def _device_index(args):
+    for value in args:
+        if isinstance(value, BridgeTensor):
+            return value._index
+        if isinstance(value, (list, tuple)):
+            for item in value:
+                if isinstance(item, BridgeTensor):
+                    return item._index
+    return devices.current_index()
+
+
+def _unwrap_all(args, kwargs):
+    index = _device_index(args)
+    if not index and kwargs:
+        index = _device_index(tuple(kwargs.values())) if not any(isinstance(a, BridgeTensor) for a in args) else index
+    return (
+        [_unwrap(value, index) for value in args],
+        {name: _unwrap(value, index) for name, value in kwargs.items()},
+        index,
+    )
+
+
+def _wrap(value, index):
+    if isinstance(value, jax.Array):
+        return BridgeTensor(value, index)
+    if isinstance(value, (tuple, list)):
+        return type(value)(_wrap(item, index) for item in value)
+    return value
+
+
+# ---------------------------------------------------------------- signature check
+
+
+def _signature_item(value):
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype)
+    if isinstance(value, float):
+        return float
+    if isinstance(value, (list, tuple)):
+        return tuple(_signature_item(item) for item in value)
+    return value
+
+
+def _signature(func, args, kwargs):
+    key = [func]
+    for value in args:
+        key.append(_signature_item(value))
+    for name, value in kwargs.items():
+        key.append(name)
+        key.append(_signature_item(value))
+    return tuple(key)
+
+
+def _to_meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_meta(item) for item in value)
+    return value
+
+
+def _meta_result(func, args, kwargs):
+    """torch's meta-kernel result for the call; raises torch's own error for bad input.
+
+    Returns None when torch has no meta kernel for it (then nothing is checked).
+    """
+    if func in _DATA_DEPENDENT:
+        return None
+    try:
+        return func(*_to_meta(args), **_to_meta(kwargs))
+    except NotImplementedError:
+        return None
+    except Exception as error:  # noqa: BLE001 - re-raised unless meta itself is the problem
+        text = str(error)
+        if "meta" in text.lower() or "data-dependent" in text or "Unbacked" in text or "sym" in text.lower():
+            return None
+        raise
+
+
+def _leaves(value):
+    if isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+def _compare(func, expected, actual):
+    """Corrections to apply to the mapping's outputs (None if it agrees with torch)."""
+    expected_leaves = [leaf for leaf in _leaves(expected)]
+    actual_leaves = [leaf for leaf in _leaves(actual)]
+    if len(expected_leaves) != len(actual_leaves):
+        raise MappingMismatchError(
+            f"bridge mapping for {func} returned {len(actual_leaves)} outputs where torch returns "
+            f"{len(expected_leaves)}; this is a bug in the bridge's tables, please report it"
+        )
+    corrections = []
+    needed = False
+    for want, got in zip(expected_leaves, actual_leaves):
+        if not isinstance(want, torch.Tensor) or not isinstance(got, jax.Array):
+            corrections.append(None)
+            continue
+        if tuple(want.shape) != tuple(got.shape):
+            raise MappingMismatchError(
+                f"bridge mapping for {func} returned shape {tuple(got.shape)} where torch gives "
+                f"{tuple(want.shape)} (called at {user_call_site()}); this is a bug in the bridge's "
+                f"tables, please report it"
+            )
+        want_dtype = tensor_module.TORCH_TO_JAX.get(want.dtype)
+        if want_dtype is not None and got.dtype != want_dtype:
+            needed = True
+            corrections.append(want_dtype)
+            if func not in stats.dtype_corrections:
+                detail = f"returned {got.dtype} where torch gives {want.dtype}; cast to torch's dtype"
+                stats.dtype_corrections[func] = detail
+                warnings.warn(f"bridge: mapping for {func} {detail}", stacklevel=2)
+        else:
+            corrections.append(None)
+    return tuple(corrections) if needed else None
+
+
+def _apply_corrections(out, corrections):
+    leaves = iter(corrections)
+
+    def fix(value):
+        if isinstance(value, (list, tuple)):
+            return type(value)(fix(item) for item in value)
+        dtype = next(leaves)
+        return value.astype(dtype) if dtype is not None else value
+
+    return fix(out)
+
+
+# ---------------------------------------------------------------- plans
+
+
+def _make_plan(func):
+    mapping = MAPPINGS.get(func)
+    schema = func._schema
+    if mapping is not None:
+        if mapping.mutates:
+            plan = _mutating_plan(func, mapping)
+        elif func.is_view:
+            plan = _view_plan(func, mapping)
+        else:
+            plan = _mapped_plan(func, mapping)
+        rung = stats.MAPPED
+    else:
+        functional = _functional_counterpart(func)
+        if functional is not None and _writes_self(schema):
+            plan, rung = _inplace_plan(func, functional), stats.DERIVED
+        elif functional is not None and _out_arguments(schema):
+            plan, rung = _out_plan(func, functional), stats.DERIVED
+        elif func in torch._decomp.decomposition_table:
+            plan, rung = _decomposed_plan(func, torch._decomp.decomposition_table[func]), stats.DECOMPOSED
+        elif torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            plan, rung = _decomposed_plan(func, func.decompose), stats.DECOMPOSED
+        else:
+            plan, rung = _fallback_plan(func), stats.CPU_FALLBACK
+    _plans[func] = plan
+    stats.op_rung[func] = rung
+    return plan
+
+
+def _writes_self(schema):
+    arguments = schema.arguments
+    return (
+        schema.name.endswith("_")
+        and arguments
+        and arguments[0].alias_info is not None
+        and arguments[0].alias_info.is_write
+    )
+
+
+def _out_arguments(schema):
+    return [
+        argument.name
+        for argument in schema.arguments
+        if argument.kwarg_only and argument.alias_info is not None and argument.alias_info.is_write
+    ]
+
+
+def _functional_counterpart(func):
+    """`add.Tensor` for `add_.Tensor` and for `add.out`; None if there is none."""
+    schema = func._schema
+    base_name = schema.name.split("::")[-1]
+    if _writes_self(schema):
+        packet = getattr(aten, base_name[:-1], None)
+        if packet is None:
+            return None
+        return getattr(packet, func._overloadname, None)
+    outs = _out_arguments(schema)
+    if not outs:
+        return None
+    packet = getattr(aten, base_name, None)
+    if packet is None:
+        return None
+    wanted = [argument.name for argument in schema.arguments if argument.name not in outs]
+    for name in packet.overloads():
+        candidate = getattr(packet, name)
+        candidate_schema = candidate._schema
+        if _out_arguments(candidate_schema) or _writes_self(candidate_schema):
+            continue
+        if [argument.name for argument in candidate_schema.arguments] == wanted:
+            return candidate
+    return None
+
+
+def _check(func, args, kwargs, out):
+    """Compare with torch's meta kernel once per signature; returns the output, corrected if needed."""
+    if not settings.check_signatures:
+        return out
+    key = _signature(func, args, kwargs)
+    corrections = _checked.get(key, _UNCHECKED)
+    if corrections is _UNCHECKED:
+        expected = _meta_result(func, args, kwargs)
+        corrections = None if expected is None else _compare(func, expected, out)
+        _checked[key] = corrections
+    if corrections is not None:
+        out = _apply_corrections(out, corrections)
+    return out
+
+
+def _precheck(func, args, kwargs):
+    """Run the meta kernel once per signature so invalid calls raise torch's own error."""
+    if not settings.check_signatures:
+        return
+    key = _signature(func, args, kwargs)
+    if key not in _checked:
+        _meta_result(func, args, kwargs)
+        _checked[key] = None
+
+
+def _mapped_plan(func, mapping):
+    call = mapping.call
+    rng = mapping.rng
+
+    def run(args, kwargs):
+        if settings.check_signatures:
+            key = _signature(func, args, kwargs)
+            if key not in _checked:
+                # Validate first, so torch's error (not a JAX one) reports bad input.
+                expected = _meta_result(func, args, kwargs)
+            else:
+                expected = None
+        values, keywords, index = _unwrap_all(args, kwargs)
+        if rng:
+            keywords["key"] = random.next_key()
+        try:
+            out = call(*values, **keywords)
+        except Exception as error:
+            raise type(error)(f"{error}\n(bridge mapping of {func}, called at {user_call_site()})") from error
+        if settings.check_signatures:
+            corrections = _checked.get(key, _UNCHECKED)
+            if corrections is _UNCHECKED:
+                corrections = None if expected is None else _compare(func, expected, out)
+                _checked[key] = corrections
+            if corrections is not None:
+                out = _apply_corrections(out, corrections)
+        return _wrap(out, index)
+
+    return run
+
+
+def _view_plan(func, mapping):
+    compute = _mapped_plan(func, mapping)
+
+    def run(args, kwargs):
+        out = compute(args, kwargs)
+        base = args[0]
+        if not isinstance(base, BridgeTensor):
+            return out
+        root = base._root if base._root is not None else base
+        rest = args[1:]
+        if isinstance(out, BridgeTensor):
+            _make_view(out, root, base._chain + (ViewStep(mapping, rest, kwargs, None),))
+        else:
+            for position, item in enumerate(out):
+                _make_view(item, root, base._chain + (ViewStep(mapping, rest, kwargs, position),))
+        return out
+
+    return run
+
+
+def _make_view(view, root, chain):
+    view._root = root
+    view._chain = chain
+    view._seen = root._generation
+
+
+def _mutating_plan(func, mapping):
+    compute = _mapped_plan(func, mapping)
+    positions = {argument.name: position for position, argument in enumerate(func._schema.arguments)}
+
+    def run(args, kwargs):
+        out, updates = compute(args, kwargs)
+        for name, value in updates.items():
+            position = positions[name]
+            target = args[position] if position < len(args) else kwargs.get(name)
+            if isinstance(target, BridgeTensor):
+                write_value(target, read_value(value).astype(read_value(target).dtype))
+        return out
+
+    return run
+
+
+def _result_value(result, like):
+    value = read_value(result) if isinstance(result, BridgeTensor) else jax.numpy.asarray(torch_to_numpy(result))
+    target_dtype = tensor_module.TORCH_TO_JAX[like.dtype]
+    return value.astype(target_dtype) if value.dtype != target_dtype else value
+
+
+def _inplace_plan(func, functional):
+    def run(args, kwargs):
+        _precheck(func, args, kwargs)
+        target = args[0]
+        result = _run_uncounted(functional, args, kwargs)
+        if isinstance(target, BridgeTensor):
+            write_value(target, _broadcast_to(_result_value(result, target), target.shape))
+        return target
+
+    return run
+
+
+def _broadcast_to(value, shape):
+    shape = tuple(shape)
+    return value if tuple(value.shape) == shape else jax.numpy.broadcast_to(value, shape)
+
+
+def _out_plan(func, functional):
+    outs = _out_arguments(func._schema)
+
+    def run(args, kwargs):
+        _precheck(func, args, kwargs)
+        functional_kwargs = {name: value for name, value in kwargs.items() if name not in outs}
+        result = _run_uncounted(functional, args, functional_kwargs)
+        targets = [kwargs[name] for name in outs]
+        results = [result] if len(targets) == 1 else list(result)
+        for target, value in zip(targets, results):
+            replace_contents(target, _result_value(value, target))
+        return targets[0] if len(targets) == 1 else tuple(targets)
+
+    return run
+
+
+def replace_contents(target, value):
+    """Write `value` into `target`, resizing it first if torch's out= semantics call for it."""
+    if tuple(target.shape) != tuple(value.shape):
+        resized = BridgeTensor(value, target._index)
+        torch._C.TensorBase.data.__set__(target, resized)
+        target._root, target._chain, target._value = None, (), value
+        target._generation += 1
+        return
+    write_value(target, value)
+
+
+def _run_uncounted(func, args, kwargs):
+    plan = _plans.get(func)
+    if plan is None:
+        plan = _make_plan(func)
+    return plan(args, kwargs)
+
+
+def _decomposed_plan(func, decomposition):
+    def run(args, kwargs):
+        result = decomposition(*args, **kwargs)
+        if result is NotImplemented:
+            return _fallback_plan(func)(args, kwargs)
+        return result
+
+    return run
+
+
+# ---------------------------------------------------------------- CPU fallback
+
+
+def _to_cpu(value):
+    if isinstance(value, BridgeTensor):
+        return numpy_to_torch(__import__("numpy").array(read_value(value)))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_cpu(item) for item in value)
+    return value
+
+
+def _fallback_plan(func):
+    written = [
+        (position, argument.name)
+        for position, argument in enumerate(func._schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    ]
+    warned = []
+
+    def run(args, kwargs):
+        site = user_call_site()
+        if settings.strict:
+            raise UnsupportedOpError(
+                f"torch operator {func} has no bridge mapping and no decomposition, and --strict forbids "
+                f"running it on the CPU.\n  called at {site}\n  what to do: run without --strict to let "
+                f"it run on the host CPU (slow, but correct), or file an issue asking for a mapping of {func}."
+            )
+        if not warned:
+            warned.append(True)
+            stats.fallback_sites.setdefault(func, site)
+            warnings.warn(
+                f"bridge: {func} has no mapping; running it with eager torch on the host CPU "
+                f"(first call at {site}). This warning is shown once.",
+                stacklevel=2,
+            )
+        index = _device_index(args)
+        cpu_args = _to_cpu(list(args))
+        cpu_kwargs = {name: _to_cpu(value) for name, value in kwargs.items()}
+        result = func(*cpu_args, **cpu_kwargs)
+        for position, name in written:
+            target = args[position] if position < len(args) else kwargs.get(name)
+            source = cpu_args[position] if position < len(args) else cpu_kwargs.get(name)
+            if isinstance(target, BridgeTensor):
+                replace_contents(target, jax.device_put(torch_to_numpy(source), devices.jax_device(index)))
+        return _from_cpu(result, args, kwargs, cpu_args, cpu_kwargs, index)
+
+    return run
+
+
+def _from_cpu(result, args, kwargs, cpu_args, cpu_kwargs, index):
+    if isinstance(result, torch.Tensor):
+        for original, converted in zip(list(args) + list(kwargs.values()), cpu_args + list(cpu_kwargs.values())):
+            if converted is result:
+                return original  # an in-place op returns its (now updated) argument
+        return BridgeTensor(jax.device_put(torch_to_numpy(result), devices.jax_device(index)), index)
+    if isinstance(result, (list, tuple)):
+        return type(result)(_from_cpu(item, args, kwargs, cpu_args, cpu_kwargs, index) for item in result)
+    return result

@@ -1,0 +1,45 @@
+"""Counters for the run report: ops by rung of the fallback ladder, and fallbacks by name."""
+
+import collections
+import time
+
+MAPPED = "mapped"
+DERIVED = "mapped (in-place/out= derived)"
+DECOMPOSED = "decomposed"
+CPU_FALLBACK = "cpu_fallback"
+RUNGS = (MAPPED, DERIVED, DECOMPOSED, CPU_FALLBACK)
+
+op_counts = collections.Counter()  # OpOverload -> calls
+op_rung = {}  # OpOverload -> rung name
+fallback_sites = {}  # OpOverload -> first user call site
+dtype_corrections = {}  # OpOverload -> message
+started = [time.perf_counter()]
+
+
+def reset():
+    op_counts.clear()
+    op_rung.clear()
+    fallback_sites.clear()
+    dtype_corrections.clear()
+    started[0] = time.perf_counter()
+
+
+def summary():
+    """A plain-data summary (what the JSON report holds)."""
+    by_rung = collections.Counter()
+    ops = []
+    for op, count in op_counts.most_common():
+        rung = op_rung.get(op, MAPPED)
+        by_rung[rung] += count
+        ops.append({"op": str(op), "calls": count, "rung": rung})
+    return {
+        "ops_run": sum(op_counts.values()),
+        "distinct_ops": len(op_counts),
+        "by_rung": {rung: by_rung.get(rung, 0) for rung in RUNGS},
+        "cpu_fallbacks": [
+            {"op": str(op), "calls": op_counts[op], "first_call_site": site} for op, site in fallback_sites.items()
+        ],
+        "dtype_corrections": [{"op": str(op), "detail": detail} for op, detail in dtype_corrections.items()],
+        "ops": ops,
+        "wall_seconds": time.perf_counter() - started[0],
+    }

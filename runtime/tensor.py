@@ -1,0 +1,295 @@
+"""The bridge tensor: a `torch.Tensor` wrapper subclass whose data is a `jax.Array`.
+
+To torch's C++ core (autograd engine, dispatcher) a bridge tensor is a CPU
+tensor with Python dispatch; to the script it reports the device it asked
+for ('cuda:N'), because a wrapper that reported 'cuda' to C++ would break the
+autograd engine on CPU-only torch builds and mix with real CUDA tensors on
+CUDA builds (ARCHITECTURE.md, "Facts measured while planning").
+
+Aliasing: a view keeps its root tensor and the chain of view ops that made it;
+writes through a view are scattered into the root, and views of a root that
+changed are recomputed when next read (see `read_value` / `write_value`).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from . import devices
+from .config import settings
+from .dtypes import JAX_TO_TORCH, TORCH_TO_JAX
+
+
+class BridgeTensor(torch.Tensor):
+    """A torch tensor living on a JAX device."""
+
+    # _value: the jax.Array (possibly stale for a view; read through read_value)
+    # _root: None for a tensor owning its data, else the owning BridgeTensor
+    # _chain: the view ops from the root to this tensor
+    # _seen: the root's version when _value was computed
+    # _generation: (roots) bumped on every write
+    # _index: the bridge device ordinal
+
+    @staticmethod
+    def __new__(cls, value, index=0, requires_grad=False):
+        tensor = torch.Tensor._make_wrapper_subclass(
+            cls,
+            value.shape,
+            dtype=JAX_TO_TORCH[value.dtype],
+            device="cpu",
+            requires_grad=requires_grad,
+        )
+        tensor._value = value
+        tensor._root = None
+        tensor._chain = ()
+        tensor._seen = 0
+        tensor._generation = 0
+        tensor._index = index
+        return tensor
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs or {})
+
+    # Traceable-wrapper-subclass protocol: makes nn.Module._apply swap parameters
+    # in place (keeping their identity for optimizers built before .to()).
+    def __tensor_flatten__(self):
+        return [], (self._index,)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, context, outer_size, outer_stride):
+        raise NotImplementedError("bridge tensors are not rebuilt from flattened parts")
+
+    # What the script sees of the device.
+    @property
+    def device(self):
+        return devices.torch_device(self._index)
+
+    @property
+    def is_cuda(self):
+        return settings.device_type == "cuda"
+
+    @property
+    def is_cpu(self):
+        return False
+
+    def get_device(self):
+        return self._index
+
+    @property
+    def data(self):
+        with torch.no_grad():
+            return self.detach()
+
+    @data.setter
+    def data(self, other):
+        if not isinstance(other, BridgeTensor):
+            other = to_bridge(other, self._index)
+        if other.shape != self.shape or other.dtype != self.dtype:
+            # Let torch update the wrapper's sizes and dtype; the value follows below.
+            torch._C.TensorBase.data.__set__(self, other)
+        value = read_value(other)
+        self._root, self._chain, self._value = None, (), value
+        self._generation += 1
+        self._index = other._index
+
+    # Sync points and transfers.
+    def cpu(self, memory_format=torch.preserve_format):
+        return self.to("cpu")
+
+    def cuda(self, device=None, non_blocking=False, memory_format=torch.preserve_format):
+        index = devices.current_index() if device is None else devices.bridge_index(device)
+        if index is None:
+            index = torch.device(device).index or 0
+        return self.to(devices.torch_device(index))
+
+    def to(self, *args, **kwargs):
+        device, dtype, non_blocking, copy, memory_format = _parse_to(args, kwargs)
+        if device is not None and device.type == "cpu":
+            moved = to_cpu_autograd(self)
+            return moved.to(dtype=dtype, copy=False) if dtype is not None else moved
+        result = self
+        if device is not None:
+            index = devices.bridge_index(device)
+            if index is None:
+                raise devices.DeviceError(
+                    f"cannot move a bridge tensor to {device}; bridge tensors move to "
+                    f"'{settings.device_type}:N' or 'cpu'"
+                )
+            if index != self._index:
+                result = _ToDevice.apply(self, index)
+                copy = False
+        if dtype is not None and dtype != result.dtype or copy:
+            result = torch._C.TensorBase.to(result, dtype=dtype or result.dtype, copy=copy)
+        return result
+
+    def numpy(self, *, force=False):
+        if not force:
+            # The script believes this tensor is on a GPU, where torch refuses too.
+            raise TypeError(
+                f"can't convert {self.device} device type tensor to numpy. "
+                "Use Tensor.cpu() to copy the tensor to host memory first."
+            )
+        return to_numpy(self)
+
+    def tolist(self):
+        return to_numpy(self).tolist()
+
+    def __repr__(self, *, tensor_contents=None):
+        text = repr(_to_cpu_tensor(self))
+        suffix = f"device='{self.device}'"
+        if self.grad_fn is not None:
+            tail = f", grad_fn=<{type(self.grad_fn).__name__}>"
+        elif self.requires_grad:
+            tail = ", requires_grad=True"
+        else:
+            tail = ""
+        head = text[:-1]
+        # torch puts the device right after the data, before dtype and grad information.
+        marker = ", dtype=" if ", dtype=" in head else None
+        if marker:
+            data, rest = head.split(marker, 1)
+            return f"{data}, {suffix}{marker}{rest}{tail})"
+        return f"{head}, {suffix}{tail})"
+
+    def __reduce_ex__(self, protocol):
+        # Checkpoints must load in plain torch: save as an ordinary CPU tensor.
+        return _to_cpu_tensor(self).__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo):
+        copied = to_bridge(_to_cpu_tensor(self), self._index)
+        if self.requires_grad:
+            copied.requires_grad_(True)
+        memo[id(self)] = copied
+        return copied
+
+    def untyped_storage(self):
+        return _to_cpu_tensor(self).untyped_storage()
+
+
+_dispatch = None  # set by runtime.dispatch
+
+
+def _parse_to(args, kwargs):
+    copy = kwargs.pop("copy", False)
+    if args and isinstance(args[0], torch.Tensor):
+        other = args[0]
+        return other.device, other.dtype, kwargs.get("non_blocking", False), copy, None
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype, non_blocking, copy, memory_format
+
+
+def read_value(tensor):
+    """The current jax.Array of a bridge tensor, recomputing a view whose root changed."""
+    root = tensor._root
+    if root is None or tensor._seen == root._generation:
+        return tensor._value
+    value = read_value(root)
+    for apply_view in tensor._chain:
+        value = apply_view(value)
+    tensor._value = value
+    tensor._seen = root._generation
+    return value
+
+
+def write_value(tensor, value):
+    """Replace a tensor's contents (an in-place op's result), through views into the root."""
+    root = tensor._root
+    if root is None:
+        tensor._value = value
+        tensor._generation += 1
+        return
+    from .views import scatter_into_root
+
+    root._value = scatter_into_root(read_value(root), tensor._chain, value)
+    root._generation += 1
+    tensor._value = value
+    tensor._seen = root._generation
+
+
+def to_numpy(tensor):
+    value = np.asarray(read_value(tensor))
+    return value
+
+
+def _to_cpu_tensor(tensor):
+    return numpy_to_torch(np.array(read_value(tensor)))
+
+
+def numpy_to_torch(array):
+    if array.dtype == jnp.bfloat16:
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    if array.dtype.name.startswith("float8"):
+        return torch.from_numpy(array.view(np.uint8)).view(JAX_TO_TORCH[array.dtype])
+    return torch.from_numpy(array)
+
+
+def torch_to_numpy(tensor):
+    tensor = tensor.detach()
+    if tensor.dtype is torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(jnp.bfloat16)
+    if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return tensor.view(torch.uint8).numpy().view(TORCH_TO_JAX[tensor.dtype])
+    return tensor.resolve_conj().resolve_neg().numpy()
+
+
+def to_bridge(tensor, index=None):
+    """A bridge tensor with the contents of a plain torch tensor (no autograd link)."""
+    if index is None:
+        index = devices.current_index()
+    value = jax.device_put(torch_to_numpy(tensor.cpu() if tensor.device.type != "cpu" else tensor), devices.jax_device(index))
+    return BridgeTensor(value, index)
+
+
+def to_torch(tensor):
+    """A plain CPU torch tensor with the contents of a bridge tensor (no autograd link)."""
+    return _to_cpu_tensor(tensor)
+
+
+class _ToBridge(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, index):
+        return to_bridge(tensor, index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (_to_cpu_tensor(grad) if isinstance(grad, BridgeTensor) else grad), None
+
+
+class _ToCPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor):
+        ctx.index = tensor._index
+        return _to_cpu_tensor(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return to_bridge(grad, ctx.index)
+
+
+class _ToDevice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, tensor, index):
+        ctx.index = tensor._index
+        return BridgeTensor(jax.device_put(read_value(tensor), devices.jax_device(index)), index)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return BridgeTensor(jax.device_put(read_value(grad), devices.jax_device(ctx.index)), ctx.index), None
+
+
+def to_bridge_autograd(tensor, index):
+    """`tensor.to('cuda:N')` for a plain tensor: differentiable when it needs to be."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _ToBridge.apply(tensor, index)
+    return to_bridge(tensor, index)
+
+
+def to_cpu_autograd(tensor):
+    """`tensor.cpu()` for a bridge tensor: differentiable when it needs to be."""
+    if tensor.requires_grad and torch.is_grad_enabled():
+        return _ToCPU.apply(tensor)
+    return _to_cpu_tensor(tensor)
