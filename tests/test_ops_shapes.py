@@ -1,0 +1,294 @@
+"""Shape and view mappings against eager torch: values of each entry called directly, and gradients through the bridge."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import op_mappings  # noqa: F401  (registers the tables)
+from runtime import dtypes
+from runtime.registry import MAPPINGS
+
+jax.config.update("jax_enable_x64", True)
+aten = torch.ops.aten
+
+
+def to_jax(value):
+    if isinstance(value, torch.Tensor):
+        if value.dtype is torch.bfloat16:
+            return jnp.asarray(value.float().numpy()).astype(jnp.bfloat16)
+        return jnp.asarray(value.numpy())
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_jax(item) for item in value)
+    return value
+
+
+def to_torch(value):
+    if isinstance(value, jax.Array):
+        dtype = dtypes.to_torch_dtype(value.dtype)
+        if dtype is torch.bfloat16:
+            return torch.from_numpy(np.array(value.astype(jnp.float32))).to(torch.bfloat16)
+        return torch.from_numpy(np.array(value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_torch(item) for item in value)
+    return value
+
+
+def check(op, *args, **kwargs):
+    """Run the mapping of `op` on the JAX copies of the arguments and compare with torch."""
+    expected = op(*args, **kwargs)
+    actual = to_torch(MAPPINGS[op].call(*to_jax(args), **to_jax(kwargs)))
+    torch.testing.assert_close(actual, expected, equal_nan=True)
+    return actual
+
+
+def sample(shape, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(0)
+    if dtype is torch.bool:
+        return torch.rand(shape, generator=generator) > 0.5
+    if not dtype.is_floating_point and not dtype.is_complex:
+        return torch.randint(-50, 50, shape, generator=generator, dtype=dtype)
+    return torch.randn(shape, generator=generator, dtype=dtype)
+
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool]
+
+
+# ---------------------------------------------------------------- reshapes
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_view_and_reshape(dtype):
+    value = sample((2, 3, 4), dtype)
+    check(aten.view.default, value, [6, 4])
+    check(aten.view.default, value, [-1])
+    check(aten.view.default, value, [2, -1, 2])
+    check(aten._unsafe_view.default, value, [4, 6])
+    check(aten.view_copy.default, value, [24])
+    check(aten.view.default, torch.tensor(3.0).to(dtype), [1, 1])
+
+
+@pytest.mark.parametrize("source, target", [(torch.float32, torch.int32), (torch.float32, torch.uint8), (torch.int16, torch.int64), (torch.bool, torch.uint8), (torch.float64, torch.int64), (torch.bfloat16, torch.int16)])
+def test_view_dtype(source, target):
+    check(aten.view.dtype, sample((3, 8), source), target)
+
+
+def test_view_as_real_and_complex():
+    value = torch.randn(3, 4, dtype=torch.complex64)
+    check(aten.view_as_real.default, value)
+    check(aten.view_as_complex.default, torch.randn(3, 4, 2, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("op", [aten.alias.default, aten.detach.default, aten.alias_copy.default])
+def test_identity_views(op):
+    check(op, sample((2, 3)))
+
+
+@pytest.mark.parametrize("start, end", [(0, -1), (1, 2), (-2, -1), (0, 0)])
+def test_flatten(start, end):
+    check(aten.flatten.using_ints, sample((2, 3, 4)), start, end)
+
+
+# ---------------------------------------------------------------- dim permutations
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_transpose_and_permute(dtype):
+    value = sample((2, 3, 4), dtype)
+    check(aten.transpose.int, value, 0, 2)
+    check(aten.transpose.int, value, -1, 1)
+    check(aten.transpose_copy.int, value, 0, -2)
+    check(aten.permute.default, value, [2, 0, 1])
+    check(aten.permute.default, value, [-1, -3, -2])
+    check(aten.permute_copy.default, value, [1, 0, 2])
+    check(aten.t.default, sample((3, 5), dtype))
+    check(aten.t.default, sample((5,), dtype))
+    check(aten.transpose.int, torch.tensor(1.0), 0, -1)
+
+
+def test_movedim():
+    value = sample((2, 3, 4, 5))
+    check(aten.movedim.int, value, 0, -1)
+    check(aten.movedim.intlist, value, [0, 1], [-1, 0])
+
+
+# ---------------------------------------------------------------- adding and removing dims
+
+
+def test_expand():
+    value = sample((3, 1))
+    check(aten.expand.default, value, [3, 4])
+    check(aten.expand.default, value, [2, -1, 5])
+    check(aten.expand.default, torch.tensor(2.0), [2, 3])
+    check(aten.expand_copy.default, value, [2, 3, 4])
+
+
+def test_squeeze_and_unsqueeze():
+    value = sample((1, 3, 1, 4))
+    check(aten.squeeze.default, value)
+    check(aten.squeeze.dim, value, 0)
+    check(aten.squeeze.dim, value, 1)  # not of size one: unchanged
+    check(aten.squeeze.dim, value, -2)
+    check(aten.squeeze.dims, value, [0, 2])
+    check(aten.squeeze.dims, value, [-4, 1])
+    check(aten.squeeze.dims, value, [])
+    check(aten.squeeze.dim, torch.tensor(1.0), 0)
+    check(aten.squeeze_copy.dims, value, [0])
+    for dim in (0, 2, 4, -1, -5):
+        check(aten.unsqueeze.default, value, dim)
+    check(aten.unsqueeze.default, torch.tensor(1.0), -1)
+
+
+# ---------------------------------------------------------------- slicing
+
+
+@pytest.mark.parametrize(
+    "dim, start, end, step",
+    [(0, None, None, 1), (1, 1, 4, 2), (1, -3, None, 1), (-1, None, -1, 3), (1, 2, 100, 1), (1, -100, 2, 1), (1, 4, 2, 1), (0, 0, 9223372036854775807, 1), (1, 6, None, 1)],
+)
+def test_slice(dim, start, end, step):
+    value = sample((3, 5, 4))
+    check(aten.slice.Tensor, value, dim, start, end, step)
+    check(aten.slice_copy.Tensor, value, dim, start, end, step)
+
+
+@pytest.mark.parametrize("dim, index", [(0, 0), (0, -1), (1, 2), (-1, -3)])
+def test_select(dim, index):
+    check(aten.select.int, sample((3, 4, 5)), dim, index)
+
+
+def test_narrow():
+    value = sample((4, 6))
+    check(aten.narrow.default, value, 1, 2, 3)
+    check(aten.narrow.default, value, -1, -3, 2)
+    check(aten.narrow.Tensor, value, 0, torch.tensor(1), 2)
+
+
+@pytest.mark.parametrize("offset, dim1, dim2", [(0, 0, 1), (1, 0, 1), (-2, 0, 1), (0, 2, 0), (1, -1, -2), (10, 0, 1)])
+def test_diagonal(offset, dim1, dim2):
+    check(aten.diagonal.default, sample((4, 5, 3)), offset, dim1, dim2)
+
+
+@pytest.mark.parametrize("dimension, size, step", [(0, 2, 1), (1, 3, 2), (-1, 4, 4), (1, 5, 1)])
+def test_unfold(dimension, size, step):
+    check(aten.unfold.default, sample((4, 5, 8)), dimension, size, step)
+
+
+@pytest.mark.parametrize(
+    "shape, size, stride, offset",
+    [((4, 5), (5, 4), (1, 5), None), ((20,), (3, 3), (4, 1), 2), ((2, 6), (2, 2, 3), (6, 1, 2), 0), ((10,), (4,), (0,), 3)],
+)
+def test_as_strided(shape, size, stride, offset):
+    check(aten.as_strided.default, sample(shape), size, stride, offset)
+
+
+# ---------------------------------------------------------------- splitting
+
+
+def test_split_family():
+    value = sample((7, 4))
+    check(aten.split.Tensor, value, 3)
+    check(aten.split.Tensor, value, 2, 1)
+    check(aten.split.Tensor, value, 10)
+    check(aten.split_with_sizes.default, value, [2, 0, 5])
+    check(aten.split_with_sizes.default, value, [1, 3], -1)
+    check(aten.split_with_sizes_copy.default, value, [4, 3])
+    check(aten.unbind.int, value)
+    check(aten.unbind.int, value, -1)
+    check(aten.chunk.default, value, 3)
+    check(aten.chunk.default, value, 2, 1)
+
+
+# ---------------------------------------------------------------- joining
+
+
+def test_cat():
+    first, second = sample((2, 3)), sample((4, 3), torch.float64)
+    check(aten.cat.default, [first, second])
+    check(aten.cat.default, [first, first], -1)
+    check(aten.cat.default, [first, torch.empty(0), first])
+    check(aten.cat.default, [sample((2, 3), torch.int64), first], 0)
+    check(aten.cat.default, [torch.empty(0), torch.empty(0)])
+
+
+def test_stack():
+    first, second = sample((2, 3)), sample((2, 3), torch.int64)
+    check(aten.stack.default, [first, second])
+    check(aten.stack.default, [first, first], -1)
+    check(aten.stack.default, [first, first], 1)
+    check(aten.hstack.default, [first, first])
+    check(aten.vstack.default, [sample((3,)), sample((3,))])
+
+
+# ---------------------------------------------------------------- reordering and repeating
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64, torch.bool])
+def test_flip_roll_repeat(dtype):
+    value = sample((3, 4, 2), dtype)
+    check(aten.flip.default, value, [0])
+    check(aten.flip.default, value, [-1, 1])
+    check(aten.roll.default, value, [1], [0])
+    check(aten.roll.default, value, [-2, 5], [1, -1])
+    check(aten.roll.default, value, [3])
+    check(aten.repeat.default, value, [2, 1, 3])
+    check(aten.repeat.default, value, [2, 1, 1, 2])
+
+
+@pytest.mark.parametrize("diagonal", [0, 1, -1, 5])
+def test_tril_triu(diagonal):
+    value = sample((2, 4, 5))
+    check(aten.tril.default, value, diagonal)
+    check(aten.triu.default, value, diagonal)
+
+
+# ---------------------------------------------------------------- padding
+
+
+@pytest.mark.parametrize("pad", [[1, 2], [0, 1, 2, 0], [-1, 2], [1, 1, -1, 0, 2, 2]])
+def test_constant_pad(pad):
+    check(aten.constant_pad_nd.default, sample((2, 3, 4)), pad, 1.5)
+    check(aten.constant_pad_nd.default, sample((2, 3, 4), torch.int64), pad)
+
+
+def test_reflection_and_replication_pads():
+    check(aten.reflection_pad1d.default, sample((2, 3, 6)), [2, 3])
+    check(aten.reflection_pad2d.default, sample((2, 3, 5, 6)), [1, 2, 3, 0])
+    check(aten.reflection_pad3d.default, sample((1, 2, 3, 4, 5)), [1, 1, 2, 0, 1, 2])
+    check(aten.replication_pad1d.default, sample((3, 6)), [2, 3])
+    check(aten.replication_pad2d.default, sample((2, 3, 5, 6)), [4, 2, 3, 0])
+    check(aten.replication_pad3d.default, sample((1, 2, 3, 4, 5)), [1, 3, 2, 0, 1, 2])
+
+
+def test_pad_backwards():
+    value = sample((2, 3, 6))
+    grad = sample((2, 3, 11))
+    check(aten.reflection_pad1d_backward.default, grad, value, [2, 3])
+    check(aten.replication_pad1d_backward.default, grad, value, [2, 3])
+    value = sample((2, 3, 4, 5))
+    grad = sample((2, 3, 7, 8))
+    check(aten.reflection_pad2d_backward.default, grad, value, [1, 2, 3, 0])
+    check(aten.replication_pad2d_backward.default, grad, value, [1, 2, 3, 0])
+
+
+# ---------------------------------------------------------------- backward of views and their scatters
+
+
+def test_view_backwards():
+    check(aten.slice_backward.default, sample((3, 2)), [3, 5], 1, 1, 5, 2)
+    check(aten.slice_backward.default, sample((2, 5)), [4, 5], 0, -2, 9223372036854775807, 1)
+    check(aten.select_backward.default, sample((3,)), [3, 5], 1, -2)
+    check(aten.diagonal_backward.default, sample((2, 4)), [2, 4, 5], 1, 1, 2)
+    check(aten.diagonal_backward.default, sample((5, 2)), [4, 5, 3], -1, 2, 0)
+    check(aten.unfold_backward.default, sample((2, 3, 4)), [2, 8], 1, 4, 2)
+    check(aten.unfold_backward.default, sample((3, 2, 2)), [3, 5], -1, 2, 2)
+
+
+def test_scatters():
+    base = sample((4, 5))
+    check(aten.slice_scatter.default, base, sample((4, 2)), 1, 1, None, 2)
+    check(aten.select_scatter.default, base, sample((5,)), 0, -1)
+    check(aten.diagonal_scatter.default, base, sample((3,)), 2)
+    check(aten.diagonal_scatter.default, base, sample((4,)), -1, 1, 0)
+    check(aten.as_strided_scatter.default, base, sample((2, 2)), [2, 2], [1, 5], 1)
