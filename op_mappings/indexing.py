@@ -1,0 +1,503 @@
+"""Indexing ops: advanced indexing and index_put, gather/scatter, index_* ops, embedding, sorting and searching.
+
+Ops whose output shape depends on values (nonzero, masked_select, unique, bool-mask
+indexing) can only run eagerly: their entries read the mask on the host.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+import torch
+
+from runtime.registry import register_mapping
+
+from .shapes import wrap_dim
+
+aten = torch.ops.aten
+
+_INDEX_DTYPE = jnp.int64
+
+
+def _is_mask(index):
+    # uint8 indices are masks too, a deprecated torch spelling of bool.
+    return index.dtype == jnp.bool_ or index.dtype == jnp.uint8
+
+
+def _index_key(self, indices):
+    """The numpy-style key for ATen's list of optional index tensors, and `self` with any axis a 0-dim mask adds.
+
+    numpy's advanced-indexing rules (broadcast the index tensors together; their
+    result dims go where they stand if they are adjacent, else first) are torch's.
+    """
+    key = []
+    for index in indices:
+        if index is None:
+            key.append(slice(None))
+        elif _is_mask(index):
+            # Data-dependent shape: jnp.nonzero reads the mask on the host, so this
+            # only works eagerly (under jax.jit it raises a concretization error).
+            mask = index.astype(jnp.bool_)
+            if mask.ndim == 0:
+                # A 0-dim mask adds a dim of size one (True) or zero (False) where it stands.
+                self = jnp.expand_dims(self, len(key))
+                mask = mask.reshape(1)
+            key.extend(jnp.nonzero(mask))
+        else:
+            key.append(index)
+    return self, tuple(key)
+
+
+@register_mapping(aten.index.Tensor, aten.index.Tensor_hacked_twin, aten._unsafe_index.Tensor, aten._unsafe_index.Tensor_hacked_twin)
+def index(self, indices):
+    self, key = _index_key(self, indices)
+    return self[key]
+
+
+def _masked_put(self, position, mask, values, accumulate):
+    """index_put with one mask and values constant along the masked elements: a traceable `where`."""
+    after = self.shape[position + mask.ndim :]
+    values = jnp.broadcast_to(values, self.shape[:position] + (1,) + after)
+    values = values.reshape(self.shape[:position] + (1,) * mask.ndim + after)
+    mask = mask.reshape((1,) * position + mask.shape + (1,) * len(after))
+    if accumulate:
+        return self + jnp.where(mask, values, jnp.zeros((), self.dtype))
+    return jnp.where(mask, values, self)
+
+
+def _single_mask_position(indices, values, ndim):
+    """Where the only index is a bool mask whose values do not vary along the masked elements, its position."""
+    given = [position for position, index in enumerate(indices) if index is not None]
+    if len(given) != 1 or not _is_mask(indices[given[0]]) or indices[given[0]].ndim == 0:
+        return None
+    position = given[0]
+    # The masked elements form one result dim; values broadcast along it if they have no such dim or it is 1.
+    trailing = ndim - position - indices[position].ndim
+    if values.ndim <= trailing or values.shape[values.ndim - 1 - trailing] == 1:
+        return position
+    return None
+
+
+@register_mapping(aten.index_put.default, aten.index_put.hacked_twin, aten._unsafe_index_put.default, aten._unsafe_index_put.hacked_twin)
+def index_put(self, indices, values, accumulate=False):
+    values = values.astype(self.dtype)
+    # `x[mask] = value` is common in training code: keep it traceable.
+    position = _single_mask_position(indices, values, self.ndim)
+    if position is not None:
+        return _masked_put(self, position, indices[position].astype(jnp.bool_), values, accumulate)
+    expanded, key = _index_key(self, indices)
+    if expanded.ndim != self.ndim:
+        raise NotImplementedError("index_put with a 0-dim mask index")
+    return self.at[key].add(values) if accumulate else self.at[key].set(values)
+
+
+def _clamped(indices, shape):
+    # Out-of-range positions are masked out by the caller; keep them in range so the gather is defined.
+    return [None if index is None else jnp.clip(index, -size, size - 1) for index, size in zip(indices, shape)]
+
+
+@register_mapping(aten._unsafe_masked_index.default)
+def unsafe_masked_index(self, mask, indices, fill):
+    return jnp.where(mask, index(self, _clamped(indices, self.shape)), jnp.asarray(fill, dtype=self.dtype))
+
+
+@register_mapping(aten._unsafe_masked_index_put_accumulate.default)
+def unsafe_masked_index_put_accumulate(self, mask, indices, values):
+    values = jnp.where(mask, values, jnp.zeros((), values.dtype))
+    return index_put(self, _clamped(indices, self.shape), values, accumulate=True)
+
+
+# ---------------------------------------------------------------- index_* ops along one dim
+
+
+def _along(dim, index):
+    return (slice(None),) * dim + (index.reshape(-1),)
+
+
+@register_mapping(aten.index_select.default)
+def index_select(self, dim, index):
+    if self.ndim == 0:
+        return self
+    return jnp.take(self, index.reshape(-1), axis=wrap_dim(dim, self.ndim))
+
+
+def _as_source(source, self, dim):
+    # A 0-dim index selects one slice; its source may lack the indexed dim.
+    if source.ndim < self.ndim:
+        source = jnp.expand_dims(source, dim)
+    return source.astype(self.dtype)
+
+
+@register_mapping(aten.index_add.default)
+def index_add(self, dim, index, source, *, alpha=1):
+    if self.ndim == 0:
+        return self + source.astype(self.dtype) * alpha
+    dim = wrap_dim(dim, self.ndim)
+    source = _as_source(source, self, dim)
+    if alpha != 1:
+        source = source * jnp.asarray(alpha, dtype=self.dtype)
+    return self.at[_along(dim, index)].add(source)
+
+
+@register_mapping(aten.index_copy.default)
+def index_copy(self, dim, index, source):
+    if self.ndim == 0:
+        return source.astype(self.dtype)
+    dim = wrap_dim(dim, self.ndim)
+    return self.at[_along(dim, index)].set(_as_source(source, self, dim))
+
+
+@register_mapping(aten.index_fill.int_Scalar, aten.index_fill.int_Tensor)
+def index_fill(self, dim, index, value):
+    value = jnp.asarray(value).astype(self.dtype)
+    if self.ndim == 0:
+        return jnp.broadcast_to(value, ())
+    return self.at[_along(wrap_dim(dim, self.ndim), index)].set(value)
+
+
+# ---------------------------------------------------------------- gather and scatter
+
+
+def _scatter_key(index, dim):
+    """Full positions for gather/scatter: `index` along `dim`, the element's own position along the others."""
+    key = []
+    for axis, size in enumerate(index.shape):
+        if axis == dim:
+            key.append(index)
+        else:
+            shape = [1] * index.ndim
+            shape[axis] = size
+            key.append(jnp.arange(size).reshape(shape))
+    return tuple(key)
+
+
+def _scatter_source(src, index, dtype):
+    # torch reads only the leading index.shape block of src.
+    if not hasattr(src, "shape"):
+        return jnp.asarray(src).astype(dtype)
+    return src[tuple(slice(0, size) for size in index.shape)].astype(dtype)
+
+
+def _scalar_dims(function):
+    """Run a scatter body on a 0-dim self (whose index and src are 0-dim too) as on 1-element tensors."""
+
+    @functools.wraps(function)
+    def body(self, dim, index, src, *args, **kwargs):
+        if self.ndim != 0:
+            return function(self, dim, index, src, *args, **kwargs)
+        src = src.reshape(1) if hasattr(src, "reshape") else src
+        return function(self.reshape(1), 0, index.reshape(1), src, *args, **kwargs).reshape(())
+
+    return body
+
+
+@register_mapping(aten.gather.default)
+def gather(self, dim, index, *, sparse_grad=False):
+    if self.ndim == 0:
+        return self.reshape(index.shape)
+    dim = wrap_dim(dim, self.ndim)
+    # index may be smaller than self along the other dims: only that block is read.
+    cropped = self[tuple(slice(None) if axis == dim else slice(0, size) for axis, size in enumerate(index.shape))]
+    return jnp.take_along_axis(cropped, index, axis=dim)
+
+
+@register_mapping(aten.scatter.src, aten.scatter.value)
+@_scalar_dims
+def scatter(self, dim, index, src):
+    dim = wrap_dim(dim, self.ndim)
+    return self.at[_scatter_key(index, dim)].set(_scatter_source(src, index, self.dtype))
+
+
+@register_mapping(aten.scatter.reduce, aten.scatter.value_reduce)
+@_scalar_dims
+def scatter_reduce_legacy(self, dim, index, src, *, reduce):
+    dim = wrap_dim(dim, self.ndim)
+    positions = self.at[_scatter_key(index, dim)]
+    src = _scatter_source(src, index, self.dtype)
+    if reduce == "add":
+        return positions.add(src)
+    if reduce == "multiply":
+        return positions.multiply(src)
+    raise ValueError(f"scatter: reduce must be 'add' or 'multiply', not {reduce!r}")
+
+
+@register_mapping(aten.scatter_add.default)
+@_scalar_dims
+def scatter_add(self, dim, index, src):
+    dim = wrap_dim(dim, self.ndim)
+    return self.at[_scatter_key(index, dim)].add(_scatter_source(src, index, self.dtype))
+
+
+def _lowest(dtype):
+    if jnp.issubdtype(dtype, jnp.floating):
+        return -jnp.inf
+    return jnp.iinfo(dtype).min if dtype != jnp.bool_ else False
+
+
+def _highest(dtype):
+    if jnp.issubdtype(dtype, jnp.floating):
+        return jnp.inf
+    return jnp.iinfo(dtype).max if dtype != jnp.bool_ else True
+
+
+@register_mapping(aten.scatter_reduce.two)
+@_scalar_dims
+def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
+    dim = wrap_dim(dim, self.ndim)
+    key = _scatter_key(index, dim)
+    src = _scatter_source(src, index, self.dtype)
+    # Without include_self the scattered positions start from the reduction's identity.
+    identity = {"sum": 0, "mean": 0, "prod": 1, "amax": _lowest(self.dtype), "amin": _highest(self.dtype)}[reduce]
+    base = self if include_self else self.at[key].set(jnp.asarray(identity, dtype=self.dtype))
+    if reduce == "sum":
+        return base.at[key].add(src)
+    if reduce == "prod":
+        return base.at[key].multiply(src)
+    if reduce == "amax":
+        return base.at[key].max(src)
+    if reduce == "amin":
+        return base.at[key].min(src)
+    total = base.at[key].add(src)
+    count = jnp.zeros(self.shape, dtype=self.dtype).at[key].add(jnp.ones((), dtype=self.dtype))
+    if include_self:
+        count = count + 1
+    count = jnp.where(count == 0, jnp.ones((), dtype=self.dtype), count)
+    if jnp.issubdtype(self.dtype, jnp.inexact):
+        return total / count
+    return jnp.floor_divide(total, count)
+
+
+# ---------------------------------------------------------------- masked and flat selection
+
+
+@register_mapping(aten.masked_scatter.default)
+def masked_scatter(self, mask, source):
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    flat_mask = jnp.broadcast_to(mask, shape).reshape(-1)
+    # The k-th masked element takes source's k-th element: a cumulative count gives k, traceably.
+    positions = jnp.cumsum(flat_mask, dtype=_INDEX_DTYPE) - 1
+    flat_source = source.reshape(-1).astype(self.dtype)
+    if flat_source.size == 0:
+        return jnp.broadcast_to(self, shape)
+    taken = flat_source[jnp.clip(positions, 0, flat_source.size - 1)]
+    return jnp.where(flat_mask, taken, jnp.broadcast_to(self, shape).reshape(-1)).reshape(shape)
+
+
+@register_mapping(aten.masked_scatter_backward.default)
+def masked_scatter_backward(grad_output, mask, sizes):
+    flat_mask = jnp.broadcast_to(mask, grad_output.shape).reshape(-1)
+    count = 1
+    for size in sizes:
+        count *= size
+    positions = jnp.where(flat_mask, jnp.cumsum(flat_mask, dtype=_INDEX_DTYPE) - 1, count)
+    # Unmasked elements aim past the end and are dropped.
+    result = jnp.zeros((count,), dtype=grad_output.dtype).at[positions].set(grad_output.reshape(-1), mode="drop")
+    return result.reshape(tuple(sizes))
+
+
+@register_mapping(aten.take.default)
+def take(self, index):
+    flat = self.reshape(-1)
+    return flat[jnp.where(index < 0, index + flat.size, index)]
+
+
+@register_mapping(aten.put.default)
+def put(self, index, source, accumulate=False):
+    flat = self.reshape(-1)
+    positions = jnp.where(index < 0, index + flat.size, index).reshape(-1)
+    source = source.reshape(-1).astype(self.dtype)
+    flat = flat.at[positions].add(source) if accumulate else flat.at[positions].set(source)
+    return flat.reshape(self.shape)
+
+
+@register_mapping(aten.nonzero.default)
+def nonzero(self):
+    # Data-dependent shape: eager only.
+    if self.ndim == 0:
+        return jnp.zeros((int(self.astype(jnp.bool_)), 0), dtype=_INDEX_DTYPE)
+    return jnp.stack(jnp.nonzero(self), axis=1).astype(_INDEX_DTYPE)
+
+
+@register_mapping(aten.nonzero_static.default)
+def nonzero_static(self, *, size, fill_value=-1):
+    positions = jnp.nonzero(self.reshape(-1) if self.ndim == 0 else self, size=size, fill_value=fill_value)
+    if self.ndim == 0:
+        return jnp.zeros((size, 0), dtype=_INDEX_DTYPE)
+    return jnp.stack(positions, axis=1).astype(_INDEX_DTYPE)
+
+
+@register_mapping(aten.where.default)
+def where(condition):
+    # Data-dependent shape: eager only.
+    return [positions.astype(_INDEX_DTYPE) for positions in jnp.nonzero(condition)]
+
+
+@register_mapping(aten.masked_select.default)
+def masked_select(self, mask):
+    # Data-dependent shape: eager only.
+    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    return jnp.broadcast_to(self, shape)[jnp.broadcast_to(mask, shape)]
+
+
+# ---------------------------------------------------------------- embedding
+
+
+@register_mapping(aten.embedding.default)
+def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
+    return jnp.take(weight, indices, axis=0)
+
+
+@register_mapping(aten.embedding_dense_backward.default)
+def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, scale_grad_by_freq):
+    flat_indices = indices.reshape(-1)
+    # Sum in float32 at least: many bfloat16 rows landing on one weight lose bits otherwise.
+    accumulate = jnp.promote_types(grad_output.dtype, jnp.float32)
+    rows = grad_output.reshape(flat_indices.shape[0], -1).astype(accumulate)
+    if scale_grad_by_freq:
+        counts = jnp.zeros((num_weights,), dtype=accumulate).at[flat_indices].add(1)
+        rows = rows / counts[flat_indices][:, None]
+    if padding_idx >= 0:
+        rows = jnp.where((flat_indices == padding_idx)[:, None], jnp.zeros((), accumulate), rows)
+    grad_weight = jnp.zeros((num_weights, rows.shape[1]), dtype=accumulate).at[flat_indices].add(rows)
+    return grad_weight.astype(grad_output.dtype)
+
+
+# ---------------------------------------------------------------- sorting
+
+
+def _sort_indices(self, dim, descending):
+    # Stable either way; jnp puts NaN last ascending and first descending, as torch does.
+    return jnp.argsort(self, axis=dim, stable=True, descending=descending).astype(_INDEX_DTYPE)
+
+
+@register_mapping(aten.sort.default)
+def sort(self, dim=-1, descending=False):
+    if self.ndim == 0:
+        return self, jnp.zeros((), dtype=_INDEX_DTYPE)
+    dim = wrap_dim(dim, self.ndim)
+    indices = _sort_indices(self, dim, descending)
+    return jnp.take_along_axis(self, indices, axis=dim), indices
+
+
+@register_mapping(aten.sort.stable)
+def sort_stable(self, *, stable, dim=-1, descending=False):
+    return sort(self, dim, descending)
+
+
+@register_mapping(aten.argsort.default)
+def argsort(self, dim=-1, descending=False):
+    return sort(self, dim, descending)[1]
+
+
+@register_mapping(aten.argsort.stable)
+def argsort_stable(self, *, stable, dim=-1, descending=False):
+    return sort(self, dim, descending)[1]
+
+
+@register_mapping(aten.topk.default)
+def topk(self, k, dim=-1, largest=True, sorted=True):
+    if self.ndim == 0:
+        return self, jnp.zeros((), dtype=_INDEX_DTYPE)
+    dim = wrap_dim(dim, self.ndim)
+    if largest and jnp.issubdtype(self.dtype, jnp.floating):
+        # lax.top_k is the fast path on accelerators; it works on the last dim.
+        values, indices = lax.top_k(jnp.moveaxis(self, dim, -1), k)
+        return jnp.moveaxis(values, -1, dim), jnp.moveaxis(indices.astype(_INDEX_DTYPE), -1, dim)
+    indices = lax.slice_in_dim(_sort_indices(self, dim, largest), 0, k, axis=dim)
+    return jnp.take_along_axis(self, indices, axis=dim), indices
+
+
+@register_mapping(aten.kthvalue.default)
+def kthvalue(self, k, dim=-1, keepdim=False):
+    if self.ndim == 0:
+        return self, jnp.zeros((), dtype=_INDEX_DTYPE)
+    dim = wrap_dim(dim, self.ndim)
+    indices = lax.slice_in_dim(_sort_indices(self, dim, False), k - 1, k, axis=dim)
+    values = jnp.take_along_axis(self, indices, axis=dim)
+    if not keepdim:
+        values, indices = jnp.squeeze(values, dim), jnp.squeeze(indices, dim)
+    return values, indices
+
+
+# ---------------------------------------------------------------- searching
+
+
+def _search(sorted_sequence, values, side, out_int32):
+    if sorted_sequence.ndim <= 1:
+        result = jnp.searchsorted(sorted_sequence, values, side=side)
+    else:
+        # One search per leading position: the sequences' leading dims match the values'.
+        leading = sorted_sequence.shape[:-1]
+        flat_sequences = sorted_sequence.reshape(-1, sorted_sequence.shape[-1])
+        flat_values = values.reshape(flat_sequences.shape[0], -1)
+        result = jax.vmap(lambda sequence, row: jnp.searchsorted(sequence, row, side=side))(flat_sequences, flat_values)
+        result = result.reshape(leading + values.shape[len(leading) :])
+    return result.astype(jnp.int32 if out_int32 else _INDEX_DTYPE)
+
+
+def _side(right, side):
+    return "right" if right or side == "right" else "left"
+
+
+@register_mapping(aten.searchsorted.Tensor, aten.searchsorted.Scalar)
+def searchsorted(sorted_sequence, self, *, out_int32=False, right=False, side=None, sorter=None):
+    if sorter is not None:
+        sorted_sequence = jnp.take_along_axis(sorted_sequence, sorter, axis=-1)
+    return _search(sorted_sequence, jnp.asarray(self), _side(right, side), out_int32)
+
+
+@register_mapping(aten.bucketize.Tensor, aten.bucketize.Scalar)
+def bucketize(self, boundaries, *, out_int32=False, right=False):
+    # bucketize's `right` picks the closed side of a bucket; it is searchsorted's `side` read the other way round.
+    return _search(boundaries, jnp.asarray(self), "right" if right else "left", out_int32)
+
+
+# ---------------------------------------------------------------- unique (eager only: data-dependent shapes)
+
+
+def _empty_indices():
+    return jnp.zeros((0,), dtype=_INDEX_DTYPE)
+
+
+@register_mapping(aten._unique2.default)
+def unique(self, sorted=True, return_inverse=False, return_counts=False):
+    values, inverse, counts = jnp.unique(self.reshape(-1), return_inverse=True, return_counts=True)
+    return (
+        values,
+        inverse.reshape(self.shape).astype(_INDEX_DTYPE) if return_inverse else _empty_indices(),
+        counts.astype(_INDEX_DTYPE) if return_counts else _empty_indices(),
+    )
+
+
+@register_mapping(aten.unique_dim.default)
+def unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False):
+    dim = wrap_dim(dim, self.ndim)
+    values, inverse, counts = jnp.unique(self, axis=dim, return_inverse=True, return_counts=True)
+    # Along a dim torch returns the inverse and the counts whether asked or not.
+    return values, inverse.reshape(-1).astype(_INDEX_DTYPE), counts.astype(_INDEX_DTYPE)
+
+
+@register_mapping(aten.unique_consecutive.default)
+def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):
+    if dim is None:
+        rows = self.reshape(-1, 1)
+    else:
+        dim = wrap_dim(dim, self.ndim)
+        rows = jnp.moveaxis(self, dim, 0).reshape(self.shape[dim], -1)
+    starts = jnp.concatenate([jnp.ones((min(rows.shape[0], 1),), dtype=jnp.bool_), jnp.any(rows[1:] != rows[:-1], axis=1)])
+    kept = jnp.nonzero(starts)[0]
+    if dim is None:
+        values = self.reshape(-1)[kept]
+    else:
+        values = jnp.take(self, kept, axis=dim)
+    inverse = (jnp.cumsum(starts, dtype=_INDEX_DTYPE) - 1).reshape(self.shape if dim is None else (-1,))
+    counts = jnp.diff(jnp.append(kept, rows.shape[0])).astype(_INDEX_DTYPE)
+    if dim is not None:
+        # Along a dim torch returns the inverse and the counts whether asked or not.
+        return values, inverse, counts
+    return (
+        values,
+        inverse if return_inverse else _empty_indices(),
+        counts if return_counts else _empty_indices(),
+    )

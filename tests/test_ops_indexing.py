@@ -1,0 +1,292 @@
+"""Indexing and factory mappings against eager torch: values of each entry called directly, and gradients through the bridge."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import op_mappings  # noqa: F401  (registers the tables)
+from runtime import dtypes
+from runtime.registry import MAPPINGS
+
+jax.config.update("jax_enable_x64", True)
+aten = torch.ops.aten
+
+
+def to_jax(value):
+    if isinstance(value, torch.Tensor):
+        if value.dtype is torch.bfloat16:
+            return jnp.asarray(value.float().numpy()).astype(jnp.bfloat16)
+        return jnp.asarray(value.numpy())
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_jax(item) for item in value)
+    if isinstance(value, dict):
+        return {name: to_jax(item) for name, item in value.items()}
+    return value
+
+
+def to_torch(value):
+    if isinstance(value, jax.Array):
+        dtype = dtypes.to_torch_dtype(value.dtype)
+        if dtype is torch.bfloat16:
+            return torch.from_numpy(np.array(value.astype(jnp.float32))).to(torch.bfloat16)
+        return torch.from_numpy(np.array(value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_torch(item) for item in value)
+    return value
+
+
+def run(op, *args, **kwargs):
+    return to_torch(MAPPINGS[op].call(*to_jax(args), **to_jax(kwargs)))
+
+
+def check(op, *args, **kwargs):
+    """Run the mapping of `op` on the JAX copies of the arguments and compare with torch."""
+    expected = op(*args, **kwargs)
+    actual = run(op, *args, **kwargs)
+    if isinstance(expected, tuple):
+        actual = tuple(actual)
+    torch.testing.assert_close(actual, expected, equal_nan=True)
+    return actual
+
+
+def sample(shape, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    if dtype is torch.bool:
+        return torch.rand(shape, generator=generator) > 0.5
+    if not dtype.is_floating_point:
+        return torch.randint(-50, 50, shape, generator=generator, dtype=dtype)
+    return torch.randn(shape, generator=generator, dtype=dtype)
+
+
+def positions(high, shape, seed=1):
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+def distinct(shape, dtype=torch.float32):
+    """Values without ties, so that sort orders are unique."""
+    count = int(np.prod(shape))
+    return torch.randperm(count, generator=torch.Generator().manual_seed(2)).reshape(shape).to(dtype)
+
+
+# ---------------------------------------------------------------- advanced indexing
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_index(dtype):
+    value = sample((4, 5, 6), dtype)
+    first, second = torch.tensor([0, 3, -1]), torch.tensor([[1, 2, 4]])
+    check(aten.index.Tensor, value, [first])
+    check(aten.index.Tensor, value, [None, first])
+    check(aten.index.Tensor, value, [first, None, first])  # not adjacent: result dims go first
+    check(aten.index.Tensor, value, [None, second, first])
+    check(aten.index.Tensor, value, [first.to(torch.int32), second])
+    check(aten.index.Tensor, value, [sample((4,), torch.bool)])
+    check(aten.index.Tensor, value, [None, sample((5, 6), torch.bool)])
+    check(aten.index.Tensor, value, [sample((4, 5), torch.bool), torch.tensor([1])])
+    check(aten._unsafe_index.Tensor, value, [None, None, first])
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_index_put(accumulate):
+    value = sample((4, 5, 6))
+    first = torch.tensor([0, 3, 1])
+    check(aten.index_put.default, value, [first], sample((3, 5, 6), seed=3), accumulate)
+    check(aten.index_put.default, value, [None, first, first], sample((3,), seed=3), accumulate)
+    check(aten.index_put.default, value, [first, None, torch.tensor([2])], torch.tensor(7.0), accumulate)
+    # Bool masks: the traceable `where` path (values constant along the mask) and the general one.
+    mask = sample((4, 5), torch.bool)
+    check(aten.index_put.default, value, [mask], torch.tensor(2.5), accumulate)
+    check(aten.index_put.default, value, [mask], sample((6,), seed=4), accumulate)
+    check(aten.index_put.default, value, [None, sample((5,), torch.bool)], sample((4, 1, 6), seed=4), accumulate)
+    count = int(mask.sum())
+    check(aten.index_put.default, value, [mask], sample((count, 6), seed=5), accumulate)
+    check(aten._unsafe_index_put.default, value, [first], torch.tensor(1.0), accumulate)
+
+
+def test_index_put_accumulates_repeats():
+    check(aten.index_put.default, torch.zeros(5, dtype=torch.float64), [torch.tensor([1, 1, 3, 1])], torch.tensor([1.0, 2.0, 3.0, 4.0], dtype=torch.float64), True)
+    check(aten.index_put.default, torch.zeros(3, 2, dtype=torch.int64), [torch.tensor([2, 2])], torch.tensor([[1, 2], [3, 4]]), True)
+
+
+def test_index_put_mask_is_traceable():
+    value, mask = sample((4, 5)), sample((4, 5), torch.bool)
+    traced = jax.jit(lambda value, mask: MAPPINGS[aten.index_put.default].call(value, [mask], jnp.asarray(3.0, jnp.float32)))
+    torch.testing.assert_close(to_torch(traced(*to_jax((value, mask)))), value.masked_fill(mask, 3.0))
+
+
+def test_unsafe_masked_index():
+    value = sample((4, 5))
+    rows = torch.tensor([0, 3, 4, -1])
+    mask = torch.tensor([True, True, False, False])
+    expected = torch.where(mask, value[rows.clamp(-4, 3)][:, 0], 0.0)
+    torch.testing.assert_close(run(aten._unsafe_masked_index.default, value, mask[:, None], [rows, None], 0.0)[:, 0], expected)
+
+
+# ---------------------------------------------------------------- index_* ops along one dim
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_index_ops(dtype):
+    value = sample((5, 4, 3), dtype)
+    index = torch.tensor([4, 0, 2, 0])
+    check(aten.index_select.default, value, 1, torch.tensor([3, 3, 0]))
+    check(aten.index_select.default, value, -1, torch.tensor(1))
+    check(aten.index_add.default, value, 0, index, sample((4, 4, 3), dtype, seed=5))
+    check(aten.index_add.default, value, 1, torch.tensor([1, 1]), sample((5, 2, 3), dtype, seed=5), alpha=2)
+    check(aten.index_copy.default, value, 0, torch.tensor([4, 1]), sample((2, 4, 3), dtype, seed=5))
+    check(aten.index_copy.default, value, -1, torch.tensor([2]), sample((5, 4, 1), dtype, seed=5))
+    check(aten.index_fill.int_Scalar, value, 1, torch.tensor([0, 2]), 3)
+    check(aten.index_fill.int_Tensor, value, 2, torch.tensor([1]), torch.tensor(-1).to(dtype))
+
+
+# ---------------------------------------------------------------- gather and scatter
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_gather(dtype):
+    value = sample((4, 5, 3), dtype)
+    check(aten.gather.default, value, 1, positions(5, (4, 7, 3)))
+    check(aten.gather.default, value, 0, positions(4, (2, 3, 1)))  # smaller than self in the other dims
+    check(aten.gather.default, value, -1, positions(3, (4, 5, 2)))
+    check(aten.gather.default, torch.tensor(2.0).to(dtype), 0, torch.tensor(0))
+
+
+def unique_positions(high, shape, dim):
+    """Scatter indices without repeats along `dim`, so that plain scatter has one answer."""
+    generator = torch.Generator().manual_seed(7)
+    columns = [torch.randperm(high, generator=generator)[: shape[dim]] for _ in range(int(np.prod(shape)) // shape[dim])]
+    moved = torch.stack(columns, -1).reshape((shape[dim],) + tuple(size for axis, size in enumerate(shape) if axis != dim))
+    return moved.movedim(0, dim).contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_scatter(dtype):
+    value = sample((5, 4), dtype)
+    index = unique_positions(5, (3, 2), 0)
+    source = sample((4, 3), dtype, seed=9)
+    check(aten.scatter.src, value, 0, index, source)
+    check(aten.scatter.value, value, 0, index, 7)
+    check(aten.scatter.src, value, -1, unique_positions(4, (5, 3), 1), source.repeat(2, 1))
+    repeated = positions(5, (3, 4))
+    check(aten.scatter.reduce, value, 0, repeated, source.repeat(1, 2), reduce="add")
+    check(aten.scatter.value_reduce, value, 0, repeated, 2, reduce="multiply")
+    check(aten.scatter_add.default, value, 0, repeated, source.repeat(1, 2))
+    check(aten.scatter_add.default, value, 1, positions(4, (5, 6)), sample((5, 6), dtype, seed=9))
+    check(aten.scatter.src, torch.tensor(1.0).to(dtype), 0, torch.tensor(0), torch.tensor(5.0).to(dtype))
+
+
+@pytest.mark.parametrize("reduce", ["sum", "prod", "mean", "amax", "amin"])
+@pytest.mark.parametrize("include_self", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_scatter_reduce(reduce, include_self, dtype):
+    value = sample((5, 4), dtype)
+    index = positions(5, (6, 4))
+    source = sample((6, 4), dtype, seed=11)
+    check(aten.scatter_reduce.two, value, 0, index, source, reduce, include_self=include_self)
+    check(aten.scatter_reduce.two, value, 1, positions(4, (5, 3)), source, reduce, include_self=include_self)
+
+
+# ---------------------------------------------------------------- masked and flat selection
+
+
+def test_masked_scatter():
+    value = sample((3, 4))
+    mask = sample((3, 4), torch.bool)
+    check(aten.masked_scatter.default, value, mask, sample((20,), seed=3))
+    check(aten.masked_scatter.default, value, sample((4,), torch.bool), sample((3, 4), seed=3))
+    check(aten.masked_scatter_backward.default, sample((3, 4), seed=4), mask, [4, 5])
+
+
+def test_take_put_nonzero_masked_select():
+    value = sample((3, 4))
+    check(aten.take.default, value, torch.tensor([[0, 11], [-1, 5]]))
+    check(aten.put.default, value, torch.tensor([0, -1, 5]), torch.tensor([1.0, 2.0, 3.0]))
+    check(aten.put.default, value, torch.tensor([1, 1, 5]), torch.tensor([1.0, 2.0, 3.0]), True)
+    check(aten.nonzero.default, sample((3, 4, 2), torch.bool))
+    check(aten.nonzero.default, torch.tensor(3.0))
+    check(aten.nonzero.default, torch.tensor([0, 2, 0, 1]))
+    check(aten.nonzero_static.default, torch.tensor([0, 2, 0, 1]), size=4)
+    check(aten.nonzero_static.default, torch.tensor([[0, 2], [3, 1]]), size=2, fill_value=-5)
+    check(aten.where.default, sample((3, 4), torch.bool))
+    check(aten.masked_select.default, value, sample((3, 4), torch.bool))
+    check(aten.masked_select.default, value, sample((4,), torch.bool))
+
+
+# ---------------------------------------------------------------- embedding
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_embedding(dtype):
+    weight = sample((10, 3), dtype)
+    indices = torch.tensor([[1, 2, 1], [9, 0, 1]])
+    check(aten.embedding.default, weight, indices)
+    grad = sample((2, 3, 3), dtype, seed=4)
+    check(aten.embedding_dense_backward.default, grad, indices, 10, -1, False)
+    check(aten.embedding_dense_backward.default, grad, indices, 10, 1, False)
+    check(aten.embedding_dense_backward.default, grad, indices, 10, -1, True)
+    check(aten.embedding_dense_backward.default, grad, indices.to(torch.int32), 10, 2, True)
+
+
+# ---------------------------------------------------------------- sorting
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int64])
+def test_sort(dtype):
+    value = distinct((4, 6), dtype)
+    check(aten.sort.default, value)
+    check(aten.sort.default, value, 0, True)
+    check(aten.argsort.default, value, -1, True)
+    check(aten.argsort.stable, value, stable=True, dim=0)
+    ties = torch.tensor([[3, 1, 3, 1, 2], [0, 0, 0, 1, 1]]).to(dtype)
+    check(aten.sort.stable, ties, stable=True)
+    check(aten.sort.stable, ties, stable=True, descending=True)
+    check(aten.sort.default, torch.tensor(2).to(dtype))
+
+
+def test_sort_nan():
+    value = torch.tensor([3.0, float("nan"), -1.0, float("inf"), float("-inf")])
+    check(aten.sort.stable, value, stable=True)
+    check(aten.sort.stable, value, stable=True, descending=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+@pytest.mark.parametrize("largest", [True, False])
+def test_topk_kthvalue(dtype, largest):
+    value = distinct((4, 7), dtype)
+    check(aten.topk.default, value, 3, -1, largest)
+    check(aten.topk.default, value, 2, 0, largest)
+    check(aten.topk.default, value, 7, 1, largest)
+    check(aten.kthvalue.default, value, 3)
+    check(aten.kthvalue.default, value, 2, 0, True)
+
+
+# ---------------------------------------------------------------- searching
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_searchsorted_bucketize(right):
+    boundaries = torch.tensor([1.0, 3.0, 3.0, 5.0, 9.0])
+    values = torch.tensor([[0.0, 3.0, 4.0], [9.0, 10.0, 1.0]])
+    check(aten.searchsorted.Tensor, boundaries, values, right=right)
+    check(aten.searchsorted.Tensor, boundaries, values, side="right" if right else "left", out_int32=True)
+    check(aten.searchsorted.Scalar, boundaries, 3.0, right=right)
+    batched = torch.sort(sample((2, 3, 6)), -1)[0]
+    check(aten.searchsorted.Tensor, batched, sample((2, 3, 4), seed=5), right=right)
+    shuffled = torch.tensor([5.0, 1.0, 9.0, 3.0])
+    check(aten.searchsorted.Tensor, shuffled, values, right=right, sorter=torch.argsort(shuffled))
+    check(aten.bucketize.Tensor, values, boundaries, right=right)
+    check(aten.bucketize.Scalar, 3.0, boundaries, right=right, out_int32=True)
+
+
+# ---------------------------------------------------------------- unique
+
+
+@pytest.mark.parametrize("flags", [(False, False), (True, False), (True, True)])
+def test_unique(flags):
+    value = torch.tensor([[3, 1, 3], [2, 2, 1]])
+    check(aten._unique2.default, value, True, *flags)
+    check(aten.unique_dim.default, torch.tensor([[3, 1], [2, 2], [3, 1]]), 0, True, *flags)
+    check(aten.unique_consecutive.default, torch.tensor([1, 1, 2, 2, 3, 1, 1]), *flags)
+    check(aten.unique_consecutive.default, torch.tensor([[1, 1, 2], [1, 1, 2]]), *flags, 1)
