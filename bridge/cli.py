@@ -51,9 +51,10 @@ def run_script(script, args, report=None, strict=False, quiet=False, device="aut
     if not os.path.exists(path):
         print(f"bridge: can't open file {script!r}: no such file", file=sys.stderr)
         return 2
+    # Activate (and import the tables) before sys.path is the script's.
+    bridge.activate(device=device, strict=strict)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(path)
-    bridge.activate(device=device, strict=strict)
     code = 0
     try:
         runpy.run_path(path, run_name="__main__")

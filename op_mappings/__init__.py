@@ -31,4 +31,5 @@ from . import (  # noqa: F401  (imported for their registrations)
     attention,
     random,
     foreach,
+    prims,
 )

@@ -24,14 +24,34 @@ def _is_library(filename):
     return f"{os.sep}site-packages{os.sep}" in filename or f"{os.sep}lib{os.sep}python3" in filename
 
 
-def user_call_site():
-    """'file:line in function: source' of the innermost frame outside torch, JAX and the bridge."""
+def user_frame():
+    """(filename, line, function) of the innermost frame outside torch, JAX and the bridge, or None."""
     frame = sys._getframe(1)
     while frame is not None:
         filename = os.path.abspath(frame.f_code.co_filename)
         if not _is_library(filename):
-            source = linecache.getline(filename, frame.f_lineno).strip()
-            where = f"{filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-            return f"{where}: {source}" if source else where
+            return filename, frame.f_lineno, frame.f_code.co_name
         frame = frame.f_back
-    return "<no user frame: the call came from library code>"
+    return None
+
+
+def user_call_site():
+    """'file:line in function: source' of the user's frame that made the current torch call."""
+    found = user_frame()
+    if found is None:
+        return "<no user frame: the call came from library code>"
+    filename, line, function = found
+    source = linecache.getline(filename, line).strip()
+    where = f"{filename}:{line} in {function}"
+    return f"{where}: {source}" if source else where
+
+
+def warn_at_user_site(message, category):
+    """Issue a warning attributed to the user's line (not to the bridge's internals)."""
+    import warnings
+
+    found = user_frame()
+    if found is None:
+        warnings.warn(message, category, stacklevel=3)
+    else:
+        warnings.warn_explicit(message, category, found[0], found[1])

@@ -7,16 +7,14 @@ checked against torch's meta kernel, which gives torch's own error for bad
 input and catches table entries whose shape or dtype disagree with torch.
 """
 
-import warnings
-
 import jax
 import torch
 import torch._decomp
 
 from . import devices, random, stats
-from .callsite import user_call_site
+from .callsite import user_call_site, warn_at_user_site
 from .config import settings
-from .errors import MappingMismatchError, UnsupportedOpError
+from .errors import CPUFallbackWarning, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
 from .registry import MAPPINGS
 from .tensor import BridgeTensor, numpy_to_torch, read_value, torch_to_numpy, write_value
 from . import tensor as tensor_module
@@ -182,7 +180,7 @@ def _compare(func, expected, actual):
             if func not in stats.dtype_corrections:
                 detail = f"returned {got.dtype} where torch gives {want.dtype}; cast to torch's dtype"
                 stats.dtype_corrections[func] = detail
-                warnings.warn(f"bridge: mapping for {func} {detail}", stacklevel=2)
+                warn_at_user_site(f"bridge: mapping for {func} {detail}", MappingDtypeWarning)
         else:
             corrections.append(None)
     return tuple(corrections) if needed else None
@@ -220,8 +218,8 @@ def _make_plan(func):
             plan, rung = _inplace_plan(func, functional), stats.DERIVED
         elif functional is not None and _out_arguments(schema):
             plan, rung = _out_plan(func, functional), stats.DERIVED
-        elif func in torch._decomp.decomposition_table:
-            plan, rung = _decomposed_plan(func, torch._decomp.decomposition_table[func]), stats.DECOMPOSED
+        elif _decomposition(func) is not None:
+            plan, rung = _decomposed_plan(func, _decomposition(func)), stats.DECOMPOSED
         elif torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
             plan, rung = _decomposed_plan(func, func.decompose), stats.DECOMPOSED
         else:
@@ -229,6 +227,20 @@ def _make_plan(func):
     _plans[func] = plan
     stats.op_rung[func] = rung
     return plan
+
+
+_core_decompositions = []
+
+
+def _decomposition(func):
+    """torch's decomposition of an op: the Core ATen one if there is one (it lands on ops the
+    tables map), else any registered one (which may go through prims)."""
+    if not _core_decompositions:
+        _core_decompositions.append(torch._decomp.core_aten_decompositions())
+    decomposition = _core_decompositions[0].get(func)
+    if decomposition is None:
+        decomposition = torch._decomp.decomposition_table.get(func)
+    return decomposition
 
 
 def _writes_self(schema):
@@ -470,10 +482,10 @@ def _fallback_plan(func):
         if not warned:
             warned.append(True)
             stats.fallback_sites.setdefault(func, site)
-            warnings.warn(
+            warn_at_user_site(
                 f"bridge: {func} has no mapping; running it with eager torch on the host CPU "
-                f"(first call at {site}). This warning is shown once.",
-                stacklevel=2,
+                f"(slow: a copy to the host and back). This warning is shown once per op.",
+                CPUFallbackWarning,
             )
         index = _device_index(args)
         cpu_args = _to_cpu(list(args))

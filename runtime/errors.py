@@ -23,3 +23,15 @@ class DeviceError(BridgeError):
 
 class ActivationError(BridgeError):
     """The bridge was activated in a way it cannot honour."""
+
+
+class BridgeWarning(UserWarning):
+    """Base class of the bridge's warnings."""
+
+
+class CPUFallbackWarning(BridgeWarning):
+    """An op ran with eager torch on the host CPU because it has no mapping."""
+
+
+class MappingDtypeWarning(BridgeWarning):
+    """A mapping returned a dtype other than torch's; the result was cast to torch's."""

@@ -17,8 +17,7 @@ started = [time.perf_counter()]
 
 
 def reset():
-    op_counts.clear()
-    op_rung.clear()
+    op_counts.clear()  # op_rung stays: it describes cached plans, not this run
     fallback_sites.clear()
     dtype_corrections.clear()
     started[0] = time.perf_counter()
