@@ -290,3 +290,79 @@ def test_unique(flags):
     check(aten.unique_dim.default, torch.tensor([[3, 1], [2, 2], [3, 1]]), 0, True, *flags)
     check(aten.unique_consecutive.default, torch.tensor([1, 1, 2, 2, 3, 1, 1]), *flags)
     check(aten.unique_consecutive.default, torch.tensor([[1, 1, 2], [1, 1, 2]]), *flags, 1)
+
+
+# ---------------------------------------------------------------- factories (op_mappings.factories)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64, torch.bfloat16, torch.int64, torch.bool])
+def test_constant_factories(dtype):
+    check(aten.zeros.default, [2, 3], dtype=dtype)
+    check(aten.ones.default, [4], dtype=dtype)
+    check(aten.full.default, [2, 2], 1, dtype=dtype)
+    torch.testing.assert_close(run(aten.empty.memory_format, [3, 1], dtype=dtype), torch.zeros(3, 1, dtype=dtype))
+    torch.testing.assert_close(run(aten.empty_strided.default, [3, 2], [1, 3], dtype=dtype), torch.zeros(3, 2, dtype=dtype))
+    check(aten.scalar_tensor.default, 3, dtype=dtype)
+    check(aten.eye.default, 3, dtype=dtype)
+    check(aten.eye.m, 2, 4, dtype=dtype)
+    value = sample((2, 3), torch.float64)
+    check(aten.zeros_like.default, value, dtype=dtype)
+    check(aten.ones_like.default, value, dtype=dtype)
+    check(aten.full_like.default, value, 2, dtype=dtype)
+    check(aten.new_zeros.default, value, [1, 4], dtype=dtype)
+    check(aten.new_ones.default, value, [5], dtype=dtype)
+    check(aten.new_full.default, value, [2], 0, dtype=dtype)
+    torch.testing.assert_close(run(aten.new_empty.default, value, [2], dtype=dtype), torch.zeros(2, dtype=dtype or torch.float64))
+    torch.testing.assert_close(run(aten.empty_like.default, value, dtype=dtype), torch.zeros(2, 3, dtype=dtype or torch.float64))
+
+
+@pytest.mark.parametrize("fill", [True, 3, 2.5, 1 + 2j])
+def test_full_infers_dtype(fill):
+    check(aten.full.default, [2], fill)
+
+
+def test_default_dtype_is_followed():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        check(aten.zeros.default, [2])
+        check(aten.full.default, [2], 0.5)
+        check(aten.arange.start_step, 0, 1, 0.25)
+        check(aten.linspace.default, 0, 1, 5)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.mark.parametrize(
+    "args, dtype",
+    [((5,), None), ((2.5,), None), ((-3, 5, 2.5), None), ((0, 1, 0.1), None), ((10, 0, -3), None), ((0.5, 5, 1.5), torch.int64), ((0, 10, 3), torch.float32), ((1, 2, 0.1), torch.float64), ((0, 4), torch.bfloat16), ((3, 3), None)],
+)
+def test_arange(args, dtype):
+    op = {1: aten.arange.default, 2: aten.arange.start, 3: aten.arange.start_step}[len(args)]
+    check(op, *args, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64, torch.int64, torch.bfloat16])
+def test_linspace_logspace(dtype):
+    check(aten.linspace.default, -7, 7, 6, dtype=dtype)
+    check(aten.linspace.default, 0, 1, 1, dtype=dtype)
+    check(aten.linspace.default, 0, 1, 0, dtype=dtype)
+    check(aten.linspace.default, 0.1, 3.3, 17, dtype=dtype)
+    check(aten.linspace.Tensor_Tensor, torch.tensor(0.0), torch.tensor(3.0), 4, dtype=dtype)
+    check(aten.linspace.Scalar_Tensor, 1, torch.tensor(3.0), 5, dtype=dtype)
+    check(aten.logspace.default, 0, 2, 5, dtype=dtype)
+    check(aten.logspace.default, -1, 1, 4, 2.0, dtype=dtype)
+    check(aten.logspace.Tensor_Scalar, torch.tensor(1.0), 2, 3, dtype=dtype)
+
+
+@pytest.mark.parametrize("row, col, offset", [(3, 3, 0), (3, 4, 1), (4, 3, -1), (1, 5, -2)])
+def test_tril_triu_indices(row, col, offset):
+    check(aten.tril_indices.default, row, col, offset)
+    check(aten.triu_indices.default, row, col, offset)
+
+
+def test_local_scalar_dense_and_lift():
+    for value in (torch.tensor(2.5), torch.tensor(3), torch.tensor(True), torch.tensor(1 + 2j)):
+        result = run(aten._local_scalar_dense.default, value)
+        assert type(result) is type(value.item()) and result == value.item()
+    check(aten.lift_fresh.default, sample((2,)))
