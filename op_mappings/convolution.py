@@ -1,0 +1,526 @@
+"""Convolution, pooling, upsampling and im2col/col2im, with the backward ops torch's autograd calls.
+
+Shapes here are static (they come from the schema's int lists), so window
+bookkeeping (output sizes, divisors, source indices) is done in NumPy at trace time.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from torch.ops import aten
+
+from runtime import config
+from runtime.registry import register_mapping
+
+_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _accumulator(dtype):
+    return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
+
+
+def _expand(values, count):
+    """An int list argument as a tuple of `count` entries (torch repeats a single entry)."""
+    values = tuple(values) if isinstance(values, (list, tuple)) else (values,)
+    return values * count if len(values) == 1 else values
+
+
+# ---------------------------------------------------------------- convolution
+
+
+def _dimension_numbers(spatial):
+    letters = "DHW"[-spatial:] if spatial <= 3 else None
+    return (f"NC{letters}", f"OI{letters}", f"NC{letters}")
+
+
+def _transposed_weight(weight, groups):
+    """A transposed convolution's weight (in, out/groups, *k) as the forward weight (out, in/groups, *k), flipped."""
+    in_channels, out_per_group = weight.shape[:2]
+    kernel = weight.shape[2:]
+    grouped = weight.reshape((groups, in_channels // groups, out_per_group) + kernel)
+    grouped = jnp.swapaxes(grouped, 1, 2)
+    forward = grouped.reshape((groups * out_per_group, in_channels // groups) + kernel)
+    return jnp.flip(forward, axis=tuple(range(2, 2 + len(kernel))))
+
+
+def _convolve(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    spatial = input.ndim - 2
+    stride = _expand(stride, spatial)
+    padding = _expand(padding, spatial)
+    dilation = _expand(dilation, spatial)
+    accumulator = _accumulator(input.dtype)
+    if transposed:
+        output_padding = _expand(output_padding, spatial)
+        kernel = weight.shape[2:]
+        # A transposed convolution is the input-gradient of a forward one: dilate the input by
+        # the stride and pad by the dilated kernel extent less the forward padding.
+        pads = [
+            (dilation[i] * (kernel[i] - 1) - padding[i], dilation[i] * (kernel[i] - 1) - padding[i] + output_padding[i])
+            for i in range(spatial)
+        ]
+        out = lax.conv_general_dilated(
+            input,
+            _transposed_weight(weight, groups),
+            window_strides=(1,) * spatial,
+            padding=pads,
+            lhs_dilation=stride,
+            rhs_dilation=dilation,
+            dimension_numbers=_dimension_numbers(spatial),
+            feature_group_count=groups,
+            precision=config.matmul_precision(),
+            preferred_element_type=accumulator,
+        )
+    else:
+        out = lax.conv_general_dilated(
+            input,
+            weight,
+            window_strides=stride,
+            padding=[(p, p) for p in padding],
+            rhs_dilation=dilation,
+            dimension_numbers=_dimension_numbers(spatial),
+            feature_group_count=groups,
+            precision=config.matmul_precision(),
+            preferred_element_type=accumulator,
+        )
+    if bias is not None:
+        out = out + bias.astype(accumulator).reshape((1, -1) + (1,) * spatial)
+    return out.astype(input.dtype)
+
+
+@register_mapping(aten.convolution.default)
+def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+    return _convolve(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+
+
+@register_mapping(aten.convolution_backward.default)
+def convolution_backward(
+    grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
+):
+    def forward(input, weight):
+        return _convolve(input, weight, None, stride, padding, dilation, transposed, output_padding, groups)
+
+    _, pullback = jax.vjp(forward, input, weight)
+    grad_input, grad_weight = pullback(grad_output.astype(input.dtype))
+    grad_bias = None
+    if output_mask[2]:
+        axes = (0,) + tuple(range(2, grad_output.ndim))
+        grad_bias = jnp.sum(grad_output.astype(_accumulator(grad_output.dtype)), axis=axes).astype(grad_output.dtype)
+    return (
+        grad_input if output_mask[0] else None,
+        grad_weight if output_mask[1] else None,
+        grad_bias,
+    )
+
+
+# ---------------------------------------------------------------- pooling windows
+
+
+def _pooled_size(size, kernel, stride, padding, dilation, ceil_mode):
+    """torch's pooling output size, including its rule that the last window must start inside the input."""
+    span = size + 2 * padding - dilation * (kernel - 1) - 1
+    out = (span + (stride - 1 if ceil_mode else 0)) // stride + 1
+    if ceil_mode and (out - 1) * stride >= size + padding:
+        out -= 1
+    return out
+
+
+_NO_INDEX = np.iinfo(np.int64).max
+
+
+def _first_maximum(left, right):
+    """Reducer over (value, index) pairs: the larger value, NaN above all, the lower index on ties.
+
+    Being commutative, it gives torch's "first maximum in the window" whatever order XLA reduces in.
+    """
+    left_value, left_index = left
+    right_value, right_index = right
+    left_nan, right_nan = left_value != left_value, right_value != right_value
+    same = (left_value == right_value) | (left_nan & right_nan)
+    left_wins = (left_value > right_value) | (left_nan & ~right_nan) | (same & (left_index < right_index))
+    return jnp.where(left_wins, left_value, right_value), jnp.where(left_wins, left_index, right_index)
+
+
+def _max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, spatial):
+    kernel = _expand(kernel_size, spatial)
+    stride = _expand(stride, spatial) if stride else kernel
+    padding = _expand(padding, spatial)
+    dilation = _expand(dilation, spatial)
+    sizes = input.shape[-spatial:]
+    batch_dims = input.ndim - spatial
+    outs = [_pooled_size(sizes[i], kernel[i], stride[i], padding[i], dilation[i], ceil_mode) for i in range(spatial)]
+    high = [
+        max(0, (outs[i] - 1) * stride[i] + dilation[i] * (kernel[i] - 1) + 1 - sizes[i] - padding[i])
+        for i in range(spatial)
+    ]
+    if jnp.issubdtype(input.dtype, jnp.floating):
+        lowest = jnp.asarray(-jnp.inf, dtype=input.dtype)
+    else:
+        lowest = jnp.asarray(jnp.iinfo(input.dtype).min, dtype=input.dtype)
+    # torch's index of an element is its flat position in the input's spatial plane.
+    flat = np.arange(math.prod(sizes), dtype=np.int64).reshape(sizes)
+    indices = jnp.broadcast_to(jnp.asarray(flat), input.shape)
+    values, indices = lax.reduce_window(
+        (input, indices),
+        (lowest, jnp.asarray(_NO_INDEX, dtype=jnp.int64)),
+        _first_maximum,
+        window_dimensions=(1,) * batch_dims + tuple(kernel),
+        window_strides=(1,) * batch_dims + tuple(stride),
+        padding=[(0, 0)] * batch_dims + [(padding[i], high[i]) for i in range(spatial)],
+        window_dilation=(1,) * batch_dims + tuple(dilation),
+    )
+    return values, indices
+
+
+def _max_pool_backward(grad_output, input, indices, spatial):
+    """Scatter-add each output's gradient to the input element its index names."""
+    batch = input.shape[:-spatial]
+    plane = math.prod(input.shape[-spatial:])
+    grad = grad_output.reshape(batch + (-1,)).astype(_accumulator(grad_output.dtype))
+    flat_indices = indices.reshape(batch + (-1,))
+    grad_input = jnp.zeros(batch + (plane,), dtype=grad.dtype)
+    grad_input = jax.vmap(lambda g, i, z: z.at[i].add(g))(
+        grad.reshape((-1, grad.shape[-1])), flat_indices.reshape((-1, flat_indices.shape[-1])), grad_input.reshape((-1, plane))
+    )
+    return grad_input.reshape(input.shape).astype(grad_output.dtype)
+
+
+@register_mapping(aten.max_pool2d_with_indices.default)
+def max_pool2d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 2)
+
+
+@register_mapping(aten.max_pool2d_with_indices_backward.default)
+def max_pool2d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _max_pool_backward(grad_output, self, indices, 2)
+
+
+@register_mapping(aten.max_pool3d_with_indices.default)
+def max_pool3d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
+    return _max_pool(self, kernel_size, stride, padding, dilation, ceil_mode, 3)
+
+
+@register_mapping(aten.max_pool3d_with_indices_backward.default)
+def max_pool3d_with_indices_backward(grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices):
+    return _max_pool_backward(grad_output, self, indices, 3)
+
+
+def _average_divisors(size, kernel, stride, padding, out, count_include_pad):
+    """Per-output divisors along one dimension, as torch computes them."""
+    starts = np.arange(out) * stride - padding
+    ends = np.minimum(starts + kernel, size + padding)
+    if count_include_pad:
+        return (ends - starts).astype(np.float64)
+    return (np.minimum(ends, size) - np.maximum(starts, 0)).astype(np.float64)
+
+
+def _avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, spatial):
+    kernel = _expand(kernel_size, spatial)
+    stride = _expand(stride, spatial) if stride else kernel
+    padding = _expand(padding, spatial)
+    sizes = input.shape[-spatial:]
+    outs = [_pooled_size(sizes[i], kernel[i], stride[i], padding[i], 1, ceil_mode) for i in range(spatial)]
+    high = [max(0, (outs[i] - 1) * stride[i] + kernel[i] - sizes[i] - padding[i]) for i in range(spatial)]
+    accumulator = _accumulator(input.dtype)
+    batch_dims = input.ndim - spatial
+    total = lax.reduce_window(
+        input.astype(accumulator),
+        jnp.asarray(0, dtype=accumulator),
+        lax.add,
+        window_dimensions=(1,) * batch_dims + tuple(kernel),
+        window_strides=(1,) * batch_dims + tuple(stride),
+        padding=[(0, 0)] * batch_dims + [(padding[i], high[i]) for i in range(spatial)],
+    )
+    if divisor_override:
+        return (total / jnp.asarray(divisor_override, dtype=accumulator)).astype(input.dtype)
+    divisor = np.ones((), dtype=np.float64)
+    for i in range(spatial):
+        along = _average_divisors(sizes[i], kernel[i], stride[i], padding[i], outs[i], count_include_pad)
+        divisor = np.multiply.outer(divisor, along)
+    return (total / jnp.asarray(divisor, dtype=accumulator)).astype(input.dtype)
+
+
+@register_mapping(aten.avg_pool2d.default)
+def avg_pool2d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2)
+
+
+@register_mapping(aten.avg_pool3d.default)
+def avg_pool3d(self, kernel_size, stride=(), padding=0, ceil_mode=False, count_include_pad=True, divisor_override=None):
+    return _avg_pool(self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3)
+
+
+def _linear_backward(forward, grad_output, like):
+    """The gradient of a linear map `forward` at input shape/dtype `like`, applied to grad_output."""
+    _, pullback = jax.vjp(forward, jnp.zeros(like.shape, dtype=like.dtype))
+    return pullback(grad_output.astype(like.dtype))[0]
+
+
+@register_mapping(aten.avg_pool2d_backward.default)
+def avg_pool2d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    def forward(input):
+        return _avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2)
+
+    return _linear_backward(forward, grad_output, self)
+
+
+@register_mapping(aten.avg_pool3d_backward.default)
+def avg_pool3d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
+    def forward(input):
+        return _avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3)
+
+    return _linear_backward(forward, grad_output, self)
+
+
+# ---------------------------------------------------------------- adaptive pooling
+
+
+def _adaptive_bounds(size, out):
+    """torch's adaptive windows: [floor(i * size / out), ceil((i + 1) * size / out))."""
+    index = np.arange(out)
+    starts = (index * size) // out
+    ends = -((-(index + 1) * size) // out)
+    return starts, ends
+
+
+def _adaptive_average_matrix(size, out):
+    starts, ends = _adaptive_bounds(size, out)
+    matrix = np.zeros((out, size), dtype=np.float64)
+    for i in range(out):
+        matrix[i, starts[i] : ends[i]] = 1.0 / (ends[i] - starts[i])
+    return matrix
+
+
+def _adaptive_avg_pool(input, output_size, spatial):
+    output_size = _expand(output_size, spatial)
+    accumulator = _accumulator(input.dtype)
+    out = input.astype(accumulator)
+    # One averaging matrix per spatial dimension: windows are separable.
+    for i in range(spatial):
+        axis = input.ndim - spatial + i
+        matrix = jnp.asarray(_adaptive_average_matrix(input.shape[axis], output_size[i]), dtype=accumulator)
+        out = jnp.moveaxis(
+            jnp.tensordot(out, matrix, axes=((axis,), (1,)), precision=lax.Precision.HIGHEST), -1, axis
+        )
+    return out.astype(input.dtype)
+
+
+@register_mapping(aten._adaptive_avg_pool2d.default)
+def adaptive_avg_pool2d(self, output_size):
+    return _adaptive_avg_pool(self, output_size, 2)
+
+
+@register_mapping(aten._adaptive_avg_pool2d_backward.default)
+def adaptive_avg_pool2d_backward(grad_output, self):
+    output_size = grad_output.shape[-2:]
+    return _linear_backward(lambda input: _adaptive_avg_pool(input, output_size, 2), grad_output, self)
+
+
+@register_mapping(aten._adaptive_avg_pool3d.default)
+def adaptive_avg_pool3d(self, output_size):
+    return _adaptive_avg_pool(self, output_size, 3)
+
+
+@register_mapping(aten._adaptive_avg_pool3d_backward.default)
+def adaptive_avg_pool3d_backward(grad_output, self):
+    output_size = grad_output.shape[-3:]
+    return _linear_backward(lambda input: _adaptive_avg_pool(input, output_size, 3), grad_output, self)
+
+
+@register_mapping(aten.adaptive_max_pool2d.default)
+def adaptive_max_pool2d(self, output_size):
+    output_size = _expand(output_size, 2)
+    height, width = self.shape[-2:]
+    rows_start, rows_end = _adaptive_bounds(height, output_size[0])
+    cols_start, cols_end = _adaptive_bounds(width, output_size[1])
+    row_span = int((rows_end - rows_start).max())
+    col_span = int((cols_end - cols_start).max())
+    # Gather a fixed-size window per output (the largest one), masking the elements past each window's end.
+    rows = rows_start[:, None] + np.arange(row_span)[None, :]
+    cols = cols_start[:, None] + np.arange(col_span)[None, :]
+    row_valid = rows < rows_end[:, None]
+    col_valid = cols < cols_end[:, None]
+    rows = np.minimum(rows, height - 1)
+    cols = np.minimum(cols, width - 1)
+    # windows: batch + (out_h, row_span, out_w, col_span)
+    windows = self[..., rows[:, :, None, None], cols[None, None, :, :]]
+    valid = row_valid[:, :, None, None] & col_valid[None, None, :, :]
+    if jnp.issubdtype(self.dtype, jnp.floating):
+        fill = -jnp.inf
+    else:
+        fill = jnp.iinfo(self.dtype).min
+    windows = jnp.where(valid, windows, jnp.asarray(fill, dtype=self.dtype))
+    flat = rows[:, :, None, None] * width + cols[None, None, :, :]
+    # Bring the window axes last so one argmax picks the first maximum in row-major order.
+    windows = jnp.moveaxis(windows, -3, -2)
+    windows = windows.reshape(windows.shape[:-2] + (row_span * col_span,))
+    flat = np.moveaxis(flat, 1, 2).reshape(output_size[0], output_size[1], row_span * col_span)
+    choice = jnp.argmax(windows, axis=-1)
+    values = jnp.take_along_axis(windows, choice[..., None], axis=-1)[..., 0]
+    indices = jnp.asarray(flat)[np.arange(output_size[0])[:, None], np.arange(output_size[1])[None, :], choice]
+    return values, indices.astype(jnp.int64)
+
+
+@register_mapping(aten.adaptive_max_pool2d_backward.default)
+def adaptive_max_pool2d_backward(grad_output, self, indices):
+    return _max_pool_backward(grad_output, self, indices, 2)
+
+
+# ---------------------------------------------------------------- upsampling
+
+
+def _upsample_scale(input_size, output_size, scale, align_corners=False, real=np.float32):
+    """The source-per-destination ratio torch uses, in the `real` type its kernel computes it in."""
+    if align_corners:
+        return real((input_size - 1) / (output_size - 1)) if output_size > 1 else real(0)
+    if scale is not None and scale > 0:
+        return real(1.0 / scale)
+    return real(input_size / output_size)
+
+
+def _nearest_indices(input_size, output_size, scale):
+    # torch's nearest kernels compute the ratio in float32 whatever the input dtype.
+    ratio = _upsample_scale(input_size, output_size, scale)
+    source = np.floor(np.arange(output_size, dtype=np.float32) * ratio).astype(np.int64)
+    return np.minimum(source, input_size - 1)
+
+
+def _upsample_nearest(input, output_size, scales):
+    out = input
+    spatial = len(output_size)
+    for i in range(spatial):
+        axis = input.ndim - spatial + i
+        out = jnp.take(out, _nearest_indices(input.shape[axis], output_size[i], scales[i]), axis=axis)
+    return out
+
+
+def _linear_weights(input_size, output_size, scale, align_corners, real):
+    """Source indices and weights for linear interpolation along one dimension, as torch computes them.
+
+    `real` is the type of torch's arithmetic: float64 for float64 inputs, float32 otherwise.
+    """
+    ratio = _upsample_scale(input_size, output_size, scale, align_corners, real)
+    destination = np.arange(output_size, dtype=real)
+    if align_corners:
+        source = destination * ratio
+    else:
+        source = np.maximum((destination + real(0.5)) * ratio - real(0.5), real(0))
+    low = np.minimum(source.astype(np.int64), input_size - 1)
+    high = np.minimum(low + 1, input_size - 1)
+    high_weight = (source - low).astype(real)
+    return low, high, real(1) - high_weight, high_weight
+
+
+def _upsample_bilinear(input, output_size, align_corners, scales):
+    accumulator = _accumulator(input.dtype)
+    real = np.float64 if accumulator == jnp.float64 else np.float32
+    rows_low, rows_high, rows_low_weight, rows_high_weight = _linear_weights(
+        input.shape[-2], output_size[0], scales[0], align_corners, real
+    )
+    cols_low, cols_high, cols_low_weight, cols_high_weight = _linear_weights(
+        input.shape[-1], output_size[1], scales[1], align_corners, real
+    )
+    values = input.astype(accumulator)
+
+    def weights(array):
+        return jnp.asarray(array, dtype=accumulator)
+
+    def along_cols(rows):
+        picked = jnp.take(values, rows, axis=-2)
+        return weights(cols_low_weight) * jnp.take(picked, cols_low, axis=-1) + weights(cols_high_weight) * jnp.take(
+            picked, cols_high, axis=-1
+        )
+
+    out = weights(rows_low_weight)[:, None] * along_cols(rows_low) + weights(rows_high_weight)[:, None] * along_cols(
+        rows_high
+    )
+    return out.astype(input.dtype)
+
+
+def _vec_output_size(input, output_size, scale_factors, spatial):
+    if output_size is not None:
+        return tuple(output_size), (None,) * spatial
+    sizes = input.shape[-spatial:]
+    return tuple(int(math.floor(sizes[i] * scale_factors[i])) for i in range(spatial)), tuple(scale_factors)
+
+
+@register_mapping(aten.upsample_nearest2d.default)
+def upsample_nearest2d(self, output_size, scales_h=None, scales_w=None):
+    return _upsample_nearest(self, tuple(output_size), (scales_h, scales_w))
+
+
+@register_mapping(aten.upsample_nearest2d.vec)
+def upsample_nearest2d_vec(input, output_size, scale_factors):
+    output_size, scales = _vec_output_size(input, output_size, scale_factors, 2)
+    return _upsample_nearest(input, output_size, scales)
+
+
+@register_mapping(aten.upsample_nearest2d_backward.default)
+def upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=None, scales_w=None):
+    like = jnp.zeros(tuple(input_size), dtype=_accumulator(grad_output.dtype))
+    grad = _linear_backward(lambda input: _upsample_nearest(input, tuple(output_size), (scales_h, scales_w)), grad_output, like)
+    return grad.astype(grad_output.dtype)
+
+
+@register_mapping(aten.upsample_bilinear2d.default)
+def upsample_bilinear2d(self, output_size, align_corners, scales_h=None, scales_w=None):
+    return _upsample_bilinear(self, tuple(output_size), align_corners, (scales_h, scales_w))
+
+
+@register_mapping(aten.upsample_bilinear2d.vec)
+def upsample_bilinear2d_vec(input, output_size, align_corners, scale_factors):
+    output_size, scales = _vec_output_size(input, output_size, scale_factors, 2)
+    return _upsample_bilinear(input, output_size, align_corners, scales)
+
+
+@register_mapping(aten.upsample_bilinear2d_backward.default)
+def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    like = jnp.zeros(tuple(input_size), dtype=_accumulator(grad_output.dtype))
+
+    def forward(input):
+        return _upsample_bilinear(input, tuple(output_size), align_corners, (scales_h, scales_w))
+
+    return _linear_backward(forward, grad_output, like).astype(grad_output.dtype)
+
+
+# ---------------------------------------------------------------- im2col / col2im (F.unfold / F.fold)
+
+
+def _im2col(input, kernel_size, dilation, padding, stride):
+    batched = input.ndim == 4
+    if not batched:
+        input = input[None]
+    patches = lax.conv_general_dilated_patches(
+        input,
+        filter_shape=tuple(kernel_size),
+        window_strides=tuple(stride),
+        padding=[(p, p) for p in padding],
+        rhs_dilation=tuple(dilation),
+        dimension_numbers=("NCHW", "OIHW", "NCHW"),
+        precision=lax.Precision.HIGHEST,
+    )
+    # patches: (N, C * kh * kw, out_h, out_w) with channel-major features, the order torch uses.
+    columns = patches.reshape(patches.shape[:2] + (-1,))
+    return columns if batched else columns[0]
+
+
+@register_mapping(aten.im2col.default)
+def im2col(self, kernel_size, dilation, padding, stride):
+    return _im2col(self, _expand(kernel_size, 2), _expand(dilation, 2), _expand(padding, 2), _expand(stride, 2))
+
+
+@register_mapping(aten.col2im.default)
+def col2im(self, output_size, kernel_size, dilation, padding, stride):
+    kernel_size = _expand(kernel_size, 2)
+    batched = self.ndim == 3
+    channels = self.shape[-2] // math.prod(kernel_size)
+    image_shape = ((self.shape[0],) if batched else ()) + (channels,) + tuple(_expand(output_size, 2))
+    like = jnp.zeros(image_shape, dtype=self.dtype)
+
+    def forward(image):
+        return _im2col(image, kernel_size, _expand(dilation, 2), _expand(padding, 2), _expand(stride, 2))
+
+    # col2im is the adjoint of im2col: overlapping patches add up.
+    return _linear_backward(forward, self, like)

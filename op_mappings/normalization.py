@@ -1,0 +1,299 @@
+"""Batch, layer, group and RMS normalization, with the backward ops torch's autograd calls.
+
+Statistics are computed in float32 for half-precision inputs (float64 stays float64),
+and saved statistics have the dtype torch's meta kernels give them.
+"""
+
+import jax.numpy as jnp
+from torch.ops import aten
+
+from runtime.registry import register_mapping
+
+_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _accumulator(dtype):
+    return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
+
+
+def _channel_shape(input):
+    """Shape that broadcasts a per-channel vector against an (N, C, ...) input."""
+    return (1, -1) + (1,) * (input.ndim - 2)
+
+
+def _masked(values, output_mask):
+    return tuple(value if wanted else None for value, wanted in zip(values, output_mask))
+
+
+# ---------------------------------------------------------------- batch norm
+
+
+def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    """(output, saved mean, saved inverse std, {running stat: new value})."""
+    accumulator = _accumulator(input.dtype)
+    values = input.astype(accumulator)
+    axes = (0,) + tuple(range(2, input.ndim))
+    updates = {}
+    if training or running_mean is None:
+        mean = jnp.mean(values, axis=axes)
+        variance = jnp.mean(jnp.square(values - mean.reshape(_channel_shape(input))), axis=axes)
+        if training and running_mean is not None:
+            count = input.size // input.shape[1]
+            # The running variance is the unbiased estimate, the normalization uses the biased one.
+            unbiased = variance * (count / max(count - 1, 1))
+            updates["running_mean"] = (
+                (1 - momentum) * running_mean.astype(accumulator) + momentum * mean
+            ).astype(running_mean.dtype)
+            updates["running_var"] = (
+                (1 - momentum) * running_var.astype(accumulator) + momentum * unbiased
+            ).astype(running_var.dtype)
+    else:
+        mean = running_mean.astype(accumulator)
+        variance = running_var.astype(accumulator)
+    inverse_std = 1 / jnp.sqrt(variance + eps)
+    out = (values - mean.reshape(_channel_shape(input))) * inverse_std.reshape(_channel_shape(input))
+    if weight is not None:
+        out = out * weight.astype(accumulator).reshape(_channel_shape(input))
+    if bias is not None:
+        out = out + bias.astype(accumulator).reshape(_channel_shape(input))
+    return out.astype(input.dtype), mean, inverse_std, updates
+
+
+def _empty_reserve():
+    # The reserve buffer is cuDNN's workspace; torch returns an empty uint8 tensor elsewhere.
+    return jnp.zeros((0,), dtype=jnp.uint8)
+
+
+# native_batch_norm's schema does not mark the running stats as written, yet torch's kernel
+# updates them in training mode, and nn.BatchNorm relies on it: it is declared as mutating.
+@register_mapping(aten.native_batch_norm.default, mutates=("running_mean", "running_var"))
+def native_batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    out, mean, inverse_std, updates = _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    return (out, mean, inverse_std), updates
+
+
+@register_mapping(aten._native_batch_norm_legit.default, mutates=("running_mean", "running_var"))
+def native_batch_norm_legit(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    out, mean, inverse_std, updates = _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    return (out, mean, inverse_std), updates
+
+
+@register_mapping(aten._native_batch_norm_legit.no_stats)
+def native_batch_norm_legit_no_stats(input, weight, bias, training, momentum, eps):
+    out, mean, inverse_std, _ = _batch_norm(input, weight, bias, None, None, True, momentum, eps)
+    return out, mean, inverse_std
+
+
+@register_mapping(aten._native_batch_norm_legit_functional.default)
+def native_batch_norm_legit_functional(input, weight, bias, running_mean, running_var, training, momentum, eps):
+    out, mean, inverse_std, updates = _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps)
+    return (
+        out,
+        mean,
+        inverse_std,
+        updates.get("running_mean", running_mean),
+        updates.get("running_var", running_var),
+    )
+
+
+@register_mapping(aten._native_batch_norm_legit_no_training.default)
+def native_batch_norm_legit_no_training(input, weight, bias, running_mean, running_var, momentum, eps):
+    out, mean, inverse_std, _ = _batch_norm(input, weight, bias, running_mean, running_var, False, momentum, eps)
+    return out, mean, inverse_std
+
+
+@register_mapping(aten._batch_norm_with_update.default, mutates=("running_mean", "running_var"))
+def batch_norm_with_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    out, mean, inverse_std, updates = _batch_norm(input, weight, bias, running_mean, running_var, True, momentum, eps)
+    return (out, mean, inverse_std, _empty_reserve()), updates
+
+
+@register_mapping(aten._batch_norm_with_update_functional.default)
+def batch_norm_with_update_functional(input, weight, bias, running_mean, running_var, momentum, eps):
+    out, mean, inverse_std, updates = _batch_norm(input, weight, bias, running_mean, running_var, True, momentum, eps)
+    return out, mean, inverse_std, _empty_reserve(), updates["running_mean"], updates["running_var"]
+
+
+@register_mapping(aten._batch_norm_no_update.default)
+def batch_norm_no_update(input, weight, bias, running_mean, running_var, momentum, eps):
+    out, mean, inverse_std, _ = _batch_norm(input, weight, bias, running_mean, running_var, False, momentum, eps)
+    return out, mean, inverse_std, _empty_reserve()
+
+
+def _batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
+    accumulator = _accumulator(input.dtype)
+    shape = _channel_shape(input)
+    axes = (0,) + tuple(range(2, input.ndim))
+    if train:
+        mean, inverse_std = save_mean.astype(accumulator), save_invstd.astype(accumulator)
+    else:
+        mean = running_mean.astype(accumulator)
+        inverse_std = 1 / jnp.sqrt(running_var.astype(accumulator) + eps)
+    grad = grad_out.astype(accumulator)
+    normalized = (input.astype(accumulator) - mean.reshape(shape)) * inverse_std.reshape(shape)
+    scale = inverse_std if weight is None else weight.astype(accumulator) * inverse_std
+    grad_bias = jnp.sum(grad, axis=axes)
+    grad_weight = jnp.sum(grad * normalized, axis=axes)
+    if train:
+        count = input.size // input.shape[1]
+        # The batch statistics depend on every element: subtract their share of the gradient.
+        grad_input = scale.reshape(shape) * (
+            grad - (grad_bias / count).reshape(shape) - normalized * (grad_weight / count).reshape(shape)
+        )
+    else:
+        grad_input = grad * scale.reshape(shape)
+    parameter_dtype = input.dtype if weight is None else weight.dtype
+    return _masked(
+        (grad_input.astype(input.dtype), grad_weight.astype(parameter_dtype), grad_bias.astype(parameter_dtype)),
+        output_mask,
+    )
+
+
+@register_mapping(aten.native_batch_norm_backward.default)
+def native_batch_norm_backward(
+    grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+):
+    return _batch_norm_backward(
+        grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+    )
+
+
+@register_mapping(aten.batch_norm_backward.default)
+def batch_norm_backward(
+    grad_out, input, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask, reserve
+):
+    # save_var holds the inverse standard deviation, as in native_batch_norm_backward.
+    return _batch_norm_backward(
+        grad_out, input, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask
+    )
+
+
+# ---------------------------------------------------------------- layer norm
+
+
+def _trailing_axes(input, normalized_shape):
+    return tuple(range(input.ndim - len(normalized_shape), input.ndim))
+
+
+@register_mapping(aten.native_layer_norm.default)
+def native_layer_norm(input, normalized_shape, weight, bias, eps):
+    accumulator = _accumulator(input.dtype)
+    values = input.astype(accumulator)
+    axes = _trailing_axes(input, normalized_shape)
+    mean = jnp.mean(values, axis=axes, keepdims=True)
+    variance = jnp.mean(jnp.square(values - mean), axis=axes, keepdims=True)
+    inverse_std = 1 / jnp.sqrt(variance + eps)
+    out = (values - mean) * inverse_std
+    if weight is not None:
+        out = out * weight.astype(accumulator)
+    if bias is not None:
+        out = out + bias.astype(accumulator)
+    return out.astype(input.dtype), mean, inverse_std
+
+
+@register_mapping(aten.native_layer_norm_backward.default)
+def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    accumulator = _accumulator(input.dtype)
+    axes = _trailing_axes(input, normalized_shape)
+    batch_axes = tuple(range(input.ndim - len(normalized_shape)))
+    grad = grad_out.astype(accumulator)
+    inverse_std = rstd.astype(accumulator)
+    normalized = (input.astype(accumulator) - mean.astype(accumulator)) * inverse_std
+    grad_normalized = grad if weight is None else grad * weight.astype(accumulator)
+    grad_input = inverse_std * (
+        grad_normalized
+        - jnp.mean(grad_normalized, axis=axes, keepdims=True)
+        - normalized * jnp.mean(grad_normalized * normalized, axis=axes, keepdims=True)
+    )
+    grad_weight = grad_bias = None
+    if weight is not None:
+        grad_weight = jnp.sum(grad * normalized, axis=batch_axes).astype(weight.dtype)
+    if bias is not None:
+        grad_bias = jnp.sum(grad, axis=batch_axes).astype(bias.dtype)
+    return _masked((grad_input.astype(input.dtype), grad_weight, grad_bias), output_mask)
+
+
+# ---------------------------------------------------------------- group norm
+
+
+def _grouped(values, batch, group):
+    """(N, C, *) as (N, group, C // group * prod(*))."""
+    return values.reshape(batch, group, -1)
+
+
+@register_mapping(aten.native_group_norm.default)
+def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
+    accumulator = _accumulator(input.dtype)
+    values = _grouped(input.astype(accumulator), N, group)
+    mean = jnp.mean(values, axis=-1)
+    variance = jnp.mean(jnp.square(values - mean[..., None]), axis=-1)
+    inverse_std = 1 / jnp.sqrt(variance + eps)
+    out = ((values - mean[..., None]) * inverse_std[..., None]).reshape(N, C, HxW)
+    if weight is not None:
+        out = out * weight.astype(accumulator)[None, :, None]
+    if bias is not None:
+        out = out + bias.astype(accumulator)[None, :, None]
+    # torch's group norm keeps its statistics in the input's dtype.
+    return out.reshape(input.shape).astype(input.dtype), mean.astype(input.dtype), inverse_std.astype(input.dtype)
+
+
+@register_mapping(aten.native_group_norm_backward.default)
+def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    accumulator = _accumulator(input.dtype)
+    grad = grad_out.astype(accumulator).reshape(N, C, HxW)
+    values = input.astype(accumulator).reshape(N, C, HxW)
+    per_channel = C // group
+    # Broadcast the (N, group) statistics over each group's channels.
+    mean_channels = jnp.repeat(mean.astype(accumulator), per_channel, axis=1)[..., None]
+    inverse_std_channels = jnp.repeat(rstd.astype(accumulator), per_channel, axis=1)[..., None]
+    normalized = (values - mean_channels) * inverse_std_channels
+    grad_normalized = grad if weight is None else grad * weight.astype(accumulator)[None, :, None]
+
+    def group_mean(array):
+        means = jnp.mean(_grouped(array, N, group), axis=-1)
+        return jnp.repeat(means, per_channel, axis=1)[..., None]
+
+    grad_input = inverse_std_channels * (
+        grad_normalized - group_mean(grad_normalized) - normalized * group_mean(grad_normalized * normalized)
+    )
+    parameter_dtype = input.dtype if weight is None else weight.dtype
+    grad_weight = jnp.sum(grad * normalized, axis=(0, 2)).astype(parameter_dtype)
+    grad_bias = jnp.sum(grad, axis=(0, 2)).astype(parameter_dtype)
+    return _masked((grad_input.reshape(input.shape).astype(input.dtype), grad_weight, grad_bias), output_mask)
+
+
+# ---------------------------------------------------------------- RMS norm
+
+
+def _rms_epsilon(accumulator, eps):
+    if eps is not None:
+        return eps
+    return float(jnp.finfo(accumulator).eps)
+
+
+@register_mapping(aten._fused_rms_norm.default)
+def fused_rms_norm(input, normalized_shape, weight, eps):
+    accumulator = _accumulator(input.dtype)
+    values = input.astype(accumulator)
+    axes = _trailing_axes(input, normalized_shape)
+    inverse_rms = 1 / jnp.sqrt(jnp.mean(jnp.square(values), axis=axes, keepdims=True) + _rms_epsilon(accumulator, eps))
+    out = values * inverse_rms
+    if weight is not None:
+        out = out * weight.astype(accumulator)
+    return out.astype(input.dtype), inverse_rms
+
+
+@register_mapping(aten._fused_rms_norm_backward.default)
+def fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
+    accumulator = _accumulator(input.dtype)
+    axes = _trailing_axes(input, normalized_shape)
+    batch_axes = tuple(range(input.ndim - len(normalized_shape)))
+    grad = grad_out.astype(accumulator)
+    inverse_rms = rstd.astype(accumulator)
+    normalized = input.astype(accumulator) * inverse_rms
+    grad_normalized = grad if weight is None else grad * weight.astype(accumulator)
+    grad_input = inverse_rms * (grad_normalized - normalized * jnp.mean(grad_normalized * normalized, axis=axes, keepdims=True))
+    grad_weight = None
+    if weight is not None:
+        grad_weight = jnp.sum(grad * normalized, axis=batch_axes).astype(weight.dtype)
+    return _masked((grad_input.astype(input.dtype), grad_weight), output_mask)
