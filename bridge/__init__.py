@@ -15,7 +15,10 @@ import contextlib
 from runtime.errors import (  # noqa: F401  (re-exported for users)
     ActivationError,
     BridgeError,
+    BridgeWarning,
+    CPUFallbackWarning,
     DeviceError,
+    MappingDtypeWarning,
     MappingMismatchError,
     UnsupportedOpError,
 )
@@ -49,4 +52,7 @@ __all__ = [
     "MappingMismatchError",
     "DeviceError",
     "ActivationError",
+    "BridgeWarning",
+    "CPUFallbackWarning",
+    "MappingDtypeWarning",
 ]

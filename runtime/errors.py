@@ -35,3 +35,9 @@ class CPUFallbackWarning(BridgeWarning):
 
 class MappingDtypeWarning(BridgeWarning):
     """A mapping returned a dtype other than torch's; the result was cast to torch's."""
+
+
+# Users meet these as bridge.<Name> (tracebacks print the module).
+for _error in (BridgeError, UnsupportedOpError, MappingMismatchError, DeviceError, ActivationError,
+               BridgeWarning, CPUFallbackWarning, MappingDtypeWarning):
+    _error.__module__ = "bridge"
