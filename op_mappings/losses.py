@@ -1,0 +1,239 @@
+"""Softmax and log-softmax (with their backward ops) and the loss functions torch dispatches as ATen ops.
+
+`reduction` follows torch's enum: 0 none, 1 mean, 2 sum.
+"""
+
+import jax
+import jax.numpy as jnp
+from torch.ops import aten
+
+from runtime import dtypes
+from runtime.registry import jnp_dtype, register_mapping
+
+_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_NONE, _MEAN, _SUM = 0, 1, 2
+
+
+def _accumulator(dtype):
+    return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
+
+
+def _reduce(losses, reduction):
+    if reduction == _MEAN:
+        return jnp.mean(losses)
+    if reduction == _SUM:
+        return jnp.sum(losses)
+    return losses
+
+
+def _scale_for(reduction, like):
+    """The factor a reduced loss's gradient carries per element."""
+    return 1.0 / like.size if reduction == _MEAN else 1.0
+
+
+# ---------------------------------------------------------------- softmax family
+
+
+def _along(function, values, dim):
+    # torch accepts dim 0 / -1 on a 0-dim tensor; jax.nn needs an axis to exist.
+    if values.ndim == 0:
+        return function(values.reshape(1), 0).reshape(())
+    return function(values, dim)
+
+
+@register_mapping(aten._softmax.default)
+def softmax(self, dim, half_to_float):
+    result = jnp.dtype(jnp.float32) if half_to_float else self.dtype
+    out = _along(lambda values, axis: jax.nn.softmax(values, axis=axis), self.astype(_accumulator(self.dtype)), dim)
+    return out.astype(result)
+
+
+@register_mapping(aten._log_softmax.default)
+def log_softmax(self, dim, half_to_float):
+    result = jnp.dtype(jnp.float32) if half_to_float else self.dtype
+    out = _along(lambda values, axis: jax.nn.log_softmax(values, axis=axis), self.astype(_accumulator(self.dtype)), dim)
+    return out.astype(result)
+
+
+@register_mapping(aten._safe_softmax.default)
+def safe_softmax(self, dim, dtype=None):
+    """Softmax whose fully masked rows (all -inf) give zeros instead of NaN (attention's math path)."""
+    result = jnp_dtype(dtype, self.dtype)
+    values = self.astype(_accumulator(result))
+
+    def safe(values, axis):
+        masked = jnp.all(values == -jnp.inf, axis=axis, keepdims=True)
+        return jnp.where(masked, jnp.zeros((), dtype=values.dtype), jax.nn.softmax(values, axis=axis))
+
+    return _along(safe, values, dim).astype(result)
+
+
+@register_mapping(aten._softmax_backward_data.default)
+def softmax_backward_data(grad_output, output, dim, input_dtype):
+    accumulator = _accumulator(grad_output.dtype)
+    grad, out = grad_output.astype(accumulator), output.astype(accumulator)
+    keep = out.ndim > 0
+    total = jnp.sum(grad * out, axis=dim, keepdims=True) if keep else grad * out
+    return (out * (grad - total)).astype(jnp_dtype(input_dtype))
+
+
+@register_mapping(aten._log_softmax_backward_data.default)
+def log_softmax_backward_data(grad_output, output, dim, input_dtype):
+    accumulator = _accumulator(grad_output.dtype)
+    grad, out = grad_output.astype(accumulator), output.astype(accumulator)
+    total = jnp.sum(grad, axis=dim, keepdims=True) if out.ndim > 0 else grad
+    return (grad - jnp.exp(out) * total).astype(jnp_dtype(input_dtype))
+
+
+# ---------------------------------------------------------------- negative log likelihood
+
+
+def _nll_parts(self, target, weight, ignore_index):
+    """(class axis, target with ignored entries replaced by class 0, per-element weight, 0 where ignored)."""
+    class_axis = 1 if self.ndim >= 2 else 0
+    ignored = target == ignore_index
+    safe_target = jnp.where(ignored, 0, target)
+    accumulator = _accumulator(self.dtype)
+    if weight is None:
+        element_weight = jnp.ones(target.shape, dtype=accumulator)
+    else:
+        element_weight = weight.astype(accumulator)[safe_target]
+    element_weight = jnp.where(ignored, jnp.zeros((), dtype=accumulator), element_weight)
+    return class_axis, safe_target, element_weight
+
+
+def _nll_forward(self, target, weight, reduction, ignore_index):
+    class_axis, safe_target, element_weight = _nll_parts(self, target, weight, ignore_index)
+    accumulator = element_weight.dtype
+    picked = jnp.take_along_axis(self, jnp.expand_dims(safe_target, class_axis), axis=class_axis)
+    losses = -jnp.squeeze(picked, class_axis).astype(accumulator) * element_weight
+    if reduction == _NONE:
+        return losses.astype(self.dtype), jnp.zeros((), dtype=self.dtype)
+    total_weight = jnp.sum(element_weight)
+    total = jnp.sum(losses)
+    if reduction == _MEAN:
+        total = total / total_weight
+    return total.astype(self.dtype), total_weight.astype(self.dtype)
+
+
+def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    class_axis, safe_target, element_weight = _nll_parts(self, target, weight, ignore_index)
+    accumulator = element_weight.dtype
+    grad = grad_output.astype(accumulator)
+    if reduction == _MEAN:
+        grad = grad / total_weight.astype(accumulator)
+    per_element = -element_weight * grad
+    one_hot = jax.nn.one_hot(safe_target, self.shape[class_axis], dtype=accumulator, axis=class_axis)
+    return (one_hot * jnp.expand_dims(per_element, class_axis)).astype(self.dtype)
+
+
+@register_mapping(aten.nll_loss_forward.default)
+def nll_loss_forward(self, target, weight, reduction, ignore_index):
+    return _nll_forward(self, target, weight, reduction, ignore_index)
+
+
+@register_mapping(aten.nll_loss_backward.default)
+def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    return _nll_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight)
+
+
+@register_mapping(aten.nll_loss2d_forward.default)
+def nll_loss2d_forward(self, target, weight, reduction, ignore_index):
+    return _nll_forward(self, target, weight, reduction, ignore_index)
+
+
+@register_mapping(aten.nll_loss2d_backward.default)
+def nll_loss2d_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    return _nll_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight)
+
+
+# ---------------------------------------------------------------- regression losses
+
+_PAIR = ("self", "target")
+_GRAD_PAIR = ("grad_output", "self", "target")
+
+
+@register_mapping(aten.mse_loss.default, promote=dtypes.DEFAULT, operands=_PAIR)
+def mse_loss(self, target, reduction=_MEAN):
+    return _reduce(jnp.square(self - target), reduction)
+
+
+@register_mapping(aten.mse_loss_backward.default, promote=dtypes.DEFAULT, operands=_GRAD_PAIR)
+def mse_loss_backward(grad_output, self, target, reduction):
+    return 2 * (self - target) * grad_output * _scale_for(reduction, self)
+
+
+@register_mapping(aten.smooth_l1_loss.default, promote=dtypes.DEFAULT, operands=_PAIR)
+def smooth_l1_loss(self, target, reduction=_MEAN, beta=1.0):
+    distance = jnp.abs(self - target)
+    if beta == 0:
+        return _reduce(distance, reduction)
+    return _reduce(jnp.where(distance < beta, 0.5 * distance * distance / beta, distance - 0.5 * beta), reduction)
+
+
+@register_mapping(aten.smooth_l1_loss_backward.default, promote=dtypes.DEFAULT, operands=_GRAD_PAIR)
+def smooth_l1_loss_backward(grad_output, self, target, reduction, beta):
+    difference = self - target
+    if beta == 0:
+        slope = jnp.sign(difference)
+    else:
+        slope = jnp.where(jnp.abs(difference) < beta, difference / beta, jnp.sign(difference))
+    return slope * grad_output * _scale_for(reduction, self)
+
+
+@register_mapping(aten.huber_loss.default, promote=dtypes.DEFAULT, operands=_PAIR)
+def huber_loss(self, target, reduction=_MEAN, delta=1.0):
+    distance = jnp.abs(self - target)
+    return _reduce(jnp.where(distance < delta, 0.5 * distance * distance, delta * (distance - 0.5 * delta)), reduction)
+
+
+@register_mapping(aten.huber_loss_backward.default, promote=dtypes.DEFAULT, operands=_GRAD_PAIR)
+def huber_loss_backward(grad_output, self, target, reduction, delta):
+    slope = jnp.clip(self - target, -delta, delta)
+    return slope * grad_output * _scale_for(reduction, self)
+
+
+# ---------------------------------------------------------------- classification losses on probabilities / logits
+
+
+@register_mapping(aten.binary_cross_entropy.default, promote=dtypes.DEFAULT, operands=_PAIR)
+def binary_cross_entropy(self, target, weight=None, reduction=_MEAN):
+    # torch clamps each log term at -100 so that a probability of exactly 0 or 1 gives a finite loss.
+    log_probability = jnp.maximum(jnp.log(self), -100)
+    log_complement = jnp.maximum(jnp.log1p(-self), -100)
+    losses = -(target * log_probability + (1 - target) * log_complement)
+    if weight is not None:
+        losses = losses * weight.astype(losses.dtype)
+    return _reduce(losses, reduction)
+
+
+@register_mapping(aten.binary_cross_entropy_backward.default, promote=dtypes.DEFAULT, operands=_GRAD_PAIR)
+def binary_cross_entropy_backward(grad_output, self, target, weight=None, reduction=_MEAN):
+    grad = grad_output * (self - target) / jnp.maximum((1 - self) * self, 1e-12)
+    if weight is not None:
+        grad = grad * weight.astype(grad.dtype)
+    return grad * _scale_for(reduction, self)
+
+
+@register_mapping(aten.binary_cross_entropy_with_logits.default, promote=dtypes.DEFAULT, operands=_PAIR)
+def binary_cross_entropy_with_logits(self, target, weight=None, pos_weight=None, reduction=_MEAN):
+    # log(1 + exp(-x)) written to stay finite for large |x|.
+    softplus_negative = jnp.log1p(jnp.exp(-jnp.abs(self))) + jnp.maximum(-self, 0)
+    if pos_weight is None:
+        losses = (1 - target) * self + softplus_negative
+    else:
+        log_weight = (pos_weight.astype(self.dtype) - 1) * target + 1
+        losses = (1 - target) * self + log_weight * softplus_negative
+    if weight is not None:
+        losses = losses * weight.astype(losses.dtype)
+    return _reduce(losses, reduction)
+
+
+@register_mapping(aten.soft_margin_loss.default, promote=dtypes.DEFAULT, operands=_PAIR)
+def soft_margin_loss(self, target, reduction=_MEAN):
+    return _reduce(jnp.logaddexp(0, -target * self), reduction)
+
+
+@register_mapping(aten.soft_margin_loss_backward.default, promote=dtypes.DEFAULT, operands=_GRAD_PAIR)
+def soft_margin_loss_backward(grad_output, self, target, reduction):
+    return -target * jax.nn.sigmoid(-target * self) * grad_output * _scale_for(reduction, self)
