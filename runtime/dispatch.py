@@ -134,7 +134,7 @@ def _meta_result(func, args, kwargs):
     if func in _DATA_DEPENDENT:
         return None
     try:
-        return func(*_to_meta(args), **_to_meta(kwargs))
+        return func(*_to_meta(args), **{name: _to_meta(value) for name, value in kwargs.items()})
     except NotImplementedError:
         return None
     except Exception as error:  # noqa: BLE001 - re-raised unless meta itself is the problem

@@ -155,6 +155,11 @@ class BridgeTensor(torch.Tensor):
             return f"{data}, {suffix}{marker}{rest}{tail})"
         return f"{head}, {suffix}{tail})"
 
+    def __format__(self, format_spec):
+        if self.dim() == 0:
+            return self.detach().item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     def __reduce_ex__(self, protocol):
         # Checkpoints must load in plain torch: save as an ordinary CPU tensor.
         return _to_cpu_tensor(self).__reduce_ex__(protocol)

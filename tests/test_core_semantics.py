@@ -1,0 +1,206 @@
+"""Semantics the issue of the core bridge needs beyond single ops: views and in-place writes,
+devices, sync points, seeding. Eager torch on the CPU is the oracle."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from runtime import BridgeTensor
+
+
+def _pair(tensor):
+    return tensor.clone(), tensor.to("cuda")
+
+
+def _same(cpu, bridged, **tolerance):
+    assert isinstance(bridged, BridgeTensor)
+    torch.testing.assert_close(bridged.cpu(), cpu, **tolerance)
+
+
+# ------------------------------------------------------------ views and in-place
+
+
+def test_inplace_through_select_updates_base(bridged):
+    cpu, gpu = _pair(torch.arange(12.0).reshape(3, 4))
+    for x in (cpu, gpu):
+        x[:, 0] += 1
+        x[1] = 7.0
+    _same(cpu, gpu)
+
+
+def test_inplace_through_chain_of_views(bridged):
+    cpu, gpu = _pair(torch.arange(24.0).reshape(2, 3, 4))
+    for x in (cpu, gpu):
+        view = x.transpose(0, 2)[1]  # a view of a view
+        view.mul_(10)
+        x.view(-1)[5] = -1.0
+        x.t_() if x.dim() == 2 else None
+    _same(cpu, gpu)
+
+
+def test_views_see_later_writes_to_base(bridged):
+    cpu, gpu = _pair(torch.zeros(4, 4))
+    views = []
+    for x in (cpu, gpu):
+        row = x[2]
+        column = x.t()[1]
+        x.add_(torch.arange(16.0).reshape(4, 4).to(x.device))
+        views.append((row, column))
+    _same(views[0][0], views[1][0])
+    _same(views[0][1], views[1][1])
+
+
+def test_sibling_views_share_writes(bridged):
+    cpu, gpu = _pair(torch.zeros(6))
+    results = []
+    for x in (cpu, gpu):
+        a = x[1:4]
+        b = x[2:]
+        a.fill_(3.0)
+        b[0] = 9.0
+        results.append((a.clone(), b.clone(), x.clone()))
+    for expected, actual in zip(results[0], results[1]):
+        _same(expected, actual)
+
+
+def test_data_and_param_data_copy(bridged):
+    layer = nn.Linear(3, 2)
+    bridged_layer = copy.deepcopy(layer).to("cuda")
+    for module in (layer, bridged_layer):
+        module.weight.data.copy_(torch.ones(2, 3))
+        module.bias.data.mul_(0)
+        with torch.no_grad():
+            module.weight[0, 0] = 5.0
+    _same(layer.weight.detach(), bridged_layer.weight.detach())
+    _same(layer.bias.detach(), bridged_layer.bias.detach())
+
+
+def test_nn_init_writes_parameters(bridged):
+    layer = nn.Linear(4, 4).to("cuda")
+    nn.init.zeros_(layer.bias)
+    nn.init.constant_(layer.weight, 0.5)
+    assert layer.bias.cpu().tolist() == [0.0] * 4
+    assert layer.weight.cpu().eq(0.5).all().item()
+
+
+def test_out_argument(bridged):
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    out_cpu = torch.empty(3, 3)
+    out_gpu = torch.empty(3, 3, device="cuda")
+    torch.add(a, b, out=out_cpu)
+    result = torch.add(a.cuda(), b.cuda(), out=out_gpu)
+    assert result is out_gpu
+    _same(out_cpu, out_gpu)
+
+
+def test_inplace_on_leaf_requiring_grad_is_refused_like_torch(bridged):
+    x = torch.ones(3, device="cuda", requires_grad=True)
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+        x.add_(1)
+
+
+def test_module_to_keeps_parameter_identity(bridged):
+    model = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.Linear(3, 1))
+    parameters = list(model.parameters())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model.to("cuda")
+    assert [p is q for p, q in zip(parameters, model.parameters())] == [True] * 4
+    assert all(isinstance(p, nn.Parameter) and p.is_cuda for p in model.parameters())
+    loss = model(torch.randn(5, 3, device="cuda")).sum()
+    loss.backward()
+    before = parameters[0].detach().clone()
+    optimizer.step()
+    assert not torch.equal(before.cpu(), parameters[0].detach().cpu())
+
+
+# ------------------------------------------------------------ devices
+
+
+def test_devices_as_scripts_see_them(bridged):
+    x = torch.randn(2, 2).cuda()
+    assert x.is_cuda and not x.is_cpu
+    assert x.device == torch.device("cuda", 0)
+    assert x.device.type == "cuda" and str(x.device) == "cuda:0"
+    assert x.get_device() == 0
+    assert torch.zeros(1, device=0).device == torch.device("cuda:0")
+    assert x.to("cpu").device == torch.device("cpu")
+    assert type(x.cpu()) is torch.Tensor
+    assert torch.ones(2, device=torch.device("cuda")).device.type == "cuda"
+    y = torch.ones(2).to(x.device, torch.float64)
+    assert y.dtype == torch.float64 and y.is_cuda
+    assert x.to(torch.float16).dtype == torch.float16 and x.to(torch.float16).is_cuda
+
+
+def test_cuda_queries(bridged):
+    assert torch.cuda.is_available()
+    assert torch.cuda.device_count() >= 1
+    assert torch.cuda.current_device() == 0
+    torch.cuda.set_device(0)
+    assert isinstance(torch.cuda.get_device_name(), str)
+    assert torch.cuda.is_bf16_supported()
+    torch.cuda.synchronize()
+    torch.cuda.manual_seed(1)
+    torch.cuda.manual_seed_all(1)
+    assert torch.cuda.memory_allocated() >= 0
+
+
+def test_bad_device_ordinal_is_a_clear_error(bridged):
+    with pytest.raises(bridged.DeviceError, match="ordinal 7"):
+        torch.zeros(2, device="cuda:7")
+
+
+def test_gradient_flows_across_cpu_and_bridge(bridged):
+    w = torch.randn(3, requires_grad=True)  # a CPU leaf
+    loss = (w.cuda() * 2).sum().cpu() * 3
+    loss.backward()
+    assert w.grad.tolist() == [6.0, 6.0, 6.0]
+
+
+# ------------------------------------------------------------ sync points
+
+
+def test_sync_points_behave_as_torch(bridged):
+    x = torch.tensor([[1.5, -2.0], [3.0, 4.25]])
+    y = x.cuda()
+    assert y.sum().item() == x.sum().item()
+    assert y.tolist() == x.tolist()
+    assert repr(y) == repr(x).replace("])", "], device='cuda:0')")
+    assert f"{y[0, 0]:.3f}" == "1.500"
+    assert y.cpu().numpy().tolist() == x.numpy().tolist()
+    with pytest.raises(TypeError, match="Use Tensor.cpu"):
+        y.numpy()
+    assert "grad_fn=<MulBackward0>" in repr(y.requires_grad_() * 2)
+
+
+def test_int64_and_float64_are_real(bridged):
+    big = torch.tensor([2**40 + 1], dtype=torch.int64, device="cuda")
+    assert (big * 2).item() == 2**41 + 2
+    precise = torch.tensor([1.0 + 1e-12], dtype=torch.float64, device="cuda")
+    assert (precise - 1.0).item() == pytest.approx(1e-12, rel=1e-6)
+    assert (torch.ones(2, dtype=torch.int32, device="cuda") + 1.5).dtype == torch.float32
+
+
+# ------------------------------------------------------------ randomness
+
+
+def test_manual_seed_reproduces_bridge_randomness(bridged):
+    def draw():
+        torch.manual_seed(1234)
+        x = torch.ones(1000, device="cuda")
+        return torch.nn.functional.dropout(x, 0.5).cpu(), torch.rand(5, device="cuda").cpu()
+
+    first, second = draw(), draw()
+    assert torch.equal(first[0], second[0]) and torch.equal(first[1], second[1])
+    kept = (first[0] > 0).float().mean().item()
+    assert 0.4 < kept < 0.6
+    assert set(first[0].unique().tolist()) <= {0.0, 2.0}
+    torch.manual_seed(4321)
+    assert not torch.equal(torch.nn.functional.dropout(torch.ones(1000, device="cuda"), 0.5).cpu(), first[0])
+
+
+def test_dropout_is_identity_in_eval(bridged):
+    layer = nn.Dropout(0.5).to("cuda").eval()
+    x = torch.randn(10, device="cuda")
+    assert torch.equal(layer(x).cpu(), x.cpu())
