@@ -1,0 +1,98 @@
+"""Scaled dot-product attention: the fused CPU kernel torch dispatches `F.scaled_dot_product_attention` to, and its backward.
+
+With dropout, 3-d inputs or a value head size unlike the query's, torch takes its math path
+instead, which decomposes into bmm, `_safe_softmax` and dropout ops mapped elsewhere.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from torch.ops import aten
+
+from runtime import config
+from runtime.registry import register_mapping
+
+_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _accumulator(dtype):
+    return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
+
+
+def _attention(query, key, value, is_causal, attn_mask, scale):
+    """(output, logsumexp of the scaled, masked scores); softmax in float32 for half-precision inputs.
+
+    On GPU, `jax.nn.dot_product_attention` (cuDNN flash attention) could replace this body for
+    bfloat16/float16 inputs without a float mask; it returns no logsumexp, so the backward would
+    have to come from its own vjp.
+    """
+    accumulator = _accumulator(query.dtype)
+    if scale is None:
+        scale = 1.0 / math.sqrt(query.shape[-1])
+    query_heads, key_heads = query.shape[-3], key.shape[-3]
+    if query_heads != key_heads:
+        # Grouped-query attention: each key/value head serves a contiguous group of query heads.
+        key = jnp.repeat(key, query_heads // key_heads, axis=-3)
+        value = jnp.repeat(value, query_heads // key_heads, axis=-3)
+    scores = jnp.einsum(
+        "...qd,...kd->...qk", query, key, precision=config.matmul_precision(), preferred_element_type=accumulator
+    )
+    scores = scores * jnp.asarray(scale, dtype=accumulator)
+    if is_causal:
+        # torch aligns the causal mask to the top-left corner when query and key lengths differ.
+        allowed = np.tril(np.ones(scores.shape[-2:], dtype=bool))
+        scores = jnp.where(allowed, scores, -jnp.inf)
+    if attn_mask is not None:
+        if attn_mask.dtype == jnp.bool_:
+            scores = jnp.where(attn_mask, scores, -jnp.inf)
+        else:
+            scores = scores + attn_mask.astype(accumulator)
+    # Softmax is shift-invariant, so the row maximum needs no gradient; a fully masked row
+    # (maximum -inf) yields zeros and a logsumexp of 0, as torch's kernel gives.
+    row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
+    fully_masked = row_max == -jnp.inf
+    row_max = jnp.where(fully_masked, jnp.zeros((), dtype=accumulator), row_max)
+    weights = jnp.exp(scores - row_max)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    probabilities = weights / jnp.where(total == 0, jnp.ones((), dtype=accumulator), total)
+    out = jnp.einsum(
+        "...qk,...kd->...qd",
+        probabilities,
+        value.astype(accumulator),
+        precision=config.matmul_precision(),
+        preferred_element_type=accumulator,
+    )
+    logsumexp = jnp.where(fully_masked, jnp.zeros((), dtype=accumulator), jnp.log(total) + row_max)
+    return out.astype(query.dtype), logsumexp[..., 0]
+
+
+def _check_dropout(dropout_p):
+    if dropout_p > 0:
+        # torch's own CPU kernel refuses dropout too; F.scaled_dot_product_attention routes
+        # dropout to the math path before reaching this op.
+        raise NotImplementedError("scaled_dot_product_attention_flash_attention: Currently do not support dropout > 0")
+
+
+@register_mapping(aten._scaled_dot_product_flash_attention_for_cpu.default)
+def scaled_dot_product_flash_attention_for_cpu(
+    query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
+):
+    _check_dropout(dropout_p)
+    return _attention(query, key, value, is_causal, attn_mask, scale)
+
+
+@register_mapping(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+def scaled_dot_product_flash_attention_for_cpu_backward(
+    grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None
+):
+    _check_dropout(dropout_p)
+
+    # Recomputing the forward under vjp costs one more score matrix but needs no saved softmax.
+    def forward(query, key, value):
+        return _attention(query, key, value, is_causal, attn_mask, scale)[0]
+
+    _, pullback = jax.vjp(forward, query, key, value)
+    return pullback(grad_out.astype(query.dtype))
