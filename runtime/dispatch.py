@@ -315,6 +315,7 @@ def _precheck(func, args, kwargs):
 def _mapped_plan(func, mapping):
     call = mapping.call
     rng = mapping.rng
+    mutating = bool(mapping.mutates)
 
     def run(args, kwargs):
         if settings.check_signatures:
@@ -331,6 +332,8 @@ def _mapped_plan(func, mapping):
             out = call(*values, **keywords)
         except Exception as error:
             raise type(error)(f"{error}\n(bridge mapping of {func}, called at {user_call_site()})") from error
+        if mutating:
+            out, updates = out
         if settings.check_signatures:
             corrections = _checked.get(key, _UNCHECKED)
             if corrections is _UNCHECKED:
@@ -338,6 +341,8 @@ def _mapped_plan(func, mapping):
                 _checked[key] = corrections
             if corrections is not None:
                 out = _apply_corrections(out, corrections)
+        if mutating:
+            return _wrap(out, index), updates
         return _wrap(out, index)
 
     return run
@@ -379,7 +384,7 @@ def _mutating_plan(func, mapping):
             position = positions[name]
             target = args[position] if position < len(args) else kwargs.get(name)
             if isinstance(target, BridgeTensor):
-                write_value(target, read_value(value).astype(read_value(target).dtype))
+                write_value(target, value.astype(read_value(target).dtype))
         return out
 
     return run
