@@ -348,8 +348,23 @@ def _mapped_plan(func, mapping):
     return run
 
 
+# Views that, at equal shapes, are the whole base in order: they add no step to a view chain.
+_IDENTITY_VIEWS = {
+    aten.detach.default,
+    aten.alias.default,
+    aten.lift_fresh.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.expand.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+}
+
+
 def _view_plan(func, mapping):
     compute = _mapped_plan(func, mapping)
+    identity = func in _IDENTITY_VIEWS
 
     def run(args, kwargs):
         out = compute(args, kwargs)
@@ -358,7 +373,9 @@ def _view_plan(func, mapping):
             return out
         root = base._root if base._root is not None else base
         rest = args[1:]
-        if isinstance(out, BridgeTensor):
+        if identity and out.shape == base.shape:
+            _make_view(out, root, base._chain)
+        elif isinstance(out, BridgeTensor):
             _make_view(out, root, base._chain + (ViewStep(mapping, rest, kwargs, None),))
         else:
             for position, item in enumerate(out):

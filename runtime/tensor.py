@@ -192,6 +192,10 @@ def read_value(tensor):
     root = tensor._root
     if root is None or tensor._seen == root._generation:
         return tensor._value
+    if not tensor._chain:  # an alias of the whole root (detach, .data, a parameter)
+        tensor._value = root._value
+        tensor._seen = root._generation
+        return root._value
     value = read_value(root)
     for apply_view in tensor._chain:
         value = apply_view(value)
@@ -207,9 +211,12 @@ def write_value(tensor, value):
         tensor._value = value
         tensor._generation += 1
         return
-    from .views import scatter_into_root
+    if tensor._chain:
+        from .views import scatter_into_root
 
-    root._value = scatter_into_root(read_value(root), tensor._chain, value)
+        root._value = scatter_into_root(read_value(root), tensor._chain, value)
+    else:
+        root._value = value
     root._generation += 1
     tensor._value = value
     tensor._seen = root._generation
