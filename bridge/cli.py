@@ -39,6 +39,12 @@ def _parser():
     )
     run.add_argument("script", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    coverage = commands.add_parser(
+        "coverage",
+        help="measure op coverage against PyTorch's OpInfo/ModuleInfo databases and write the report",
+        add_help=False,
+    )
+    coverage.add_argument("args", nargs=argparse.REMAINDER, help="options of the coverage report (--help)")
     return parser
 
 
@@ -98,6 +104,12 @@ def main(argv=None):
             quiet=options.quiet,
             device=options.device,
         )
+    if options.command == "coverage":
+        # compat sits above bridge in the layers (it measures bridge's public API); the CLI is
+        # the one place that reaches up, lazily, so that `python -m bridge coverage` exists.
+        from compat.coverage import main as coverage_main
+
+        return coverage_main(options.args)
     return 2
 
 
