@@ -408,19 +408,55 @@ def _mutating_plan(func, mapping):
 
 
 def _result_value(result, like):
-    value = read_value(result) if isinstance(result, BridgeTensor) else jax.numpy.asarray(torch_to_numpy(result))
+    if isinstance(result, BridgeTensor):
+        value = read_value(result)
+    elif isinstance(result, torch.Tensor):
+        value = jax.numpy.asarray(torch_to_numpy(result))
+    else:
+        value = result
     target_dtype = tensor_module.TORCH_TO_JAX[like.dtype]
     return value.astype(target_dtype) if value.dtype != target_dtype else value
 
 
+def _written_arguments(schema):
+    """(position, name) of every argument the op writes in place."""
+    return [
+        (position, argument.name)
+        for position, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    ]
+
+
+def _argument(args, kwargs, position, name):
+    return args[position] if position < len(args) else kwargs.get(name)
+
+
+def _write_into(target, value):
+    """Write an op's result (bridge tensor, plain tensor or jax array) into a written argument."""
+    if isinstance(target, (list, tuple)):
+        for item, item_value in zip(target, value):
+            _write_into(item, item_value)
+    elif isinstance(target, BridgeTensor):
+        write_value(target, _broadcast_to(_result_value(value, target), target.shape))
+    elif isinstance(target, torch.Tensor):
+        with torch.no_grad():
+            target.copy_(value.cpu() if isinstance(value, BridgeTensor) else value)
+
+
 def _inplace_plan(func, functional):
+    """`foo_(self, ...)`: run the functional `foo`, write its outputs into the written arguments."""
+    written = _written_arguments(func._schema)
+    returns = len(func._schema.returns)
+
     def run(args, kwargs):
         _precheck(func, args, kwargs)
-        target = args[0]
         result = _run_uncounted(functional, args, kwargs)
-        if isinstance(target, BridgeTensor):
-            write_value(target, _broadcast_to(_result_value(result, target), target.shape))
-        return target
+        results = [result] if len(written) == 1 else list(result)
+        for (position, name), value in zip(written, results):
+            _write_into(_argument(args, kwargs, position, name), value)
+        if returns == 0:
+            return None
+        return args[0]
 
     return run
 
@@ -486,11 +522,7 @@ def _to_cpu(value):
 
 
 def _fallback_plan(func):
-    written = [
-        (position, argument.name)
-        for position, argument in enumerate(func._schema.arguments)
-        if argument.alias_info is not None and argument.alias_info.is_write
-    ]
+    written = _written_arguments(func._schema)
     warned = []
 
     def run(args, kwargs):
@@ -514,13 +546,19 @@ def _fallback_plan(func):
         cpu_kwargs = {name: _to_cpu(value) for name, value in kwargs.items()}
         result = func(*cpu_args, **cpu_kwargs)
         for position, name in written:
-            target = args[position] if position < len(args) else kwargs.get(name)
-            source = cpu_args[position] if position < len(args) else cpu_kwargs.get(name)
-            if isinstance(target, BridgeTensor):
-                replace_contents(target, jax.device_put(torch_to_numpy(source), devices.jax_device(index)))
+            _copy_back(_argument(args, kwargs, position, name), _argument(cpu_args, cpu_kwargs, position, name), index)
         return _from_cpu(result, args, kwargs, cpu_args, cpu_kwargs, index)
 
     return run
+
+
+def _copy_back(target, source, index):
+    """After a CPU fallback: the CPU copy of a written argument goes back into the bridge tensor."""
+    if isinstance(target, (list, tuple)):
+        for item, item_source in zip(target, source):
+            _copy_back(item, item_source, index)
+    elif isinstance(target, BridgeTensor):
+        replace_contents(target, jax.device_put(torch_to_numpy(source), devices.jax_device(index)))
 
 
 def _from_cpu(result, args, kwargs, cpu_args, cpu_kwargs, index):
