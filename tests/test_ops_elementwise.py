@@ -445,3 +445,71 @@ def test_complex_parts():
     check(aten.conj_physical.default, values)
     check(aten.sgn.default, torch.tensor([0j, 3 + 4j], dtype=torch.complex64))
     check(aten.real.default, sample((3,), torch.float32))
+
+
+# ---------------------------------------------------------------- activations
+
+# (forward op, its arguments after the input), (backward op, a function of (grad, input, output) giving its arguments)
+ACTIVATIONS = [
+    ((aten.relu.default,), (aten.threshold_backward.default, lambda grad, x, y: (grad, y, 0))),
+    ((aten.gelu.default,), (aten.gelu_backward.default, lambda grad, x, y: (grad, x))),
+    ((aten.gelu.default, "tanh"), (aten.gelu_backward.default, lambda grad, x, y: (grad, x), "tanh")),
+    ((aten.silu.default,), (aten.silu_backward.default, lambda grad, x, y: (grad, x))),
+    ((aten.sigmoid.default,), (aten.sigmoid_backward.default, lambda grad, x, y: (grad, y))),
+    ((aten.tanh.default,), (aten.tanh_backward.default, lambda grad, x, y: (grad, y))),
+    ((aten.threshold.default, 0.1, 2.0), (aten.threshold_backward.default, lambda grad, x, y: (grad, x, 0.1))),
+    ((aten.hardtanh.default, -0.5, 1.5), (aten.hardtanh_backward.default, lambda grad, x, y: (grad, x, -0.5, 1.5))),
+    ((aten.leaky_relu.default, 0.2), (aten.leaky_relu_backward.default, lambda grad, x, y: (grad, x, 0.2, False))),
+    ((aten.elu.default, 1.5, 1.0, 1.0), (aten.elu_backward.default, lambda grad, x, y: (grad, 1.5, 1.0, 1.0, False, x))),
+    ((aten.elu.default, 1.0, 1.2, 0.5), (aten.elu_backward.default, lambda grad, x, y: (grad, 1.0, 1.2, 0.5, True, y))),
+    ((aten.softplus.default, 2.0, 5.0), (aten.softplus_backward.default, lambda grad, x, y: (grad, x, 2.0, 5.0))),
+    ((aten.mish.default,), (aten.mish_backward.default, lambda grad, x, y: (grad, x))),
+    ((aten.hardswish.default,), (aten.hardswish_backward.default, lambda grad, x, y: (grad, x))),
+    ((aten.hardsigmoid.default,), (aten.hardsigmoid_backward.default, lambda grad, x, y: (grad, x))),
+    ((aten.hardshrink.default, 0.7), (aten.hardshrink_backward.default, lambda grad, x, y: (grad, x, 0.7))),
+    ((aten.softshrink.default, 0.7), (aten.softshrink_backward.default, lambda grad, x, y: (grad, x, 0.7))),
+    ((aten.logit.default, 0.1), (aten.logit_backward.default, lambda grad, x, y: (grad, x, 0.1))),
+    ((aten.celu.default, 0.8), None),
+    ((aten.selu.default,), None),
+    ((aten.glu.default, 1), (aten.glu_backward.default, lambda grad, x, y: (grad, x, 1))),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("entry", ACTIVATIONS, ids=lambda entry: "-".join(map(str, entry[0])))
+def test_activation_and_backward(entry, dtype):
+    forward, backward = entry
+    op, *options = forward
+    # Inputs cover both sides of every kink (-3, 0, 3) and the logit domain when needed.
+    low, high = (0.01, 0.99) if op is aten.logit.default else (-5, 5)
+    values = sample((4, 6), dtype, low, high)
+    keywords = {"approximate": options.pop()} if op is aten.gelu.default and options else {}
+    if op in ROUNDS_INTERMEDIATES_ON_CPU and dtype is torch.bfloat16:
+        pytest.skip("compared in float32 by test_unary_float_math")
+    check(op, values, *options, **keywords)
+    if backward is None:
+        return
+    backward_op, arguments, *approximate = backward
+    grad = sample(op(values, *options, **keywords).shape, dtype)
+    output = op(values, *options, **keywords)
+    backward_keywords = {"approximate": approximate[0]} if approximate else {}
+    check(backward_op, *arguments(grad, values, output), **backward_keywords)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_log_sigmoid_and_prelu(dtype):
+    values = sample((3, 5), dtype, -30, 30)
+    check(aten.log_sigmoid_forward.default, values)
+    output, buffer = aten.log_sigmoid_forward.default(values)
+    check(aten.log_sigmoid_backward.default, sample((3, 5), dtype), values, buffer)
+    weight = sample((1, 5), dtype, 0, 1)
+    check(aten._prelu_kernel.default, values, weight)
+    check(aten._prelu_kernel_backward.default, sample((3, 5), dtype), values, weight)
+
+
+def test_activation_scalars_keep_dtype():
+    integers = sample((6,), torch.int64, -5, 5)
+    check(aten.relu.default, integers)
+    check(aten.threshold.default, integers, 1, 7)
+    check(aten.hardtanh.default, integers, -2, 2)
+    check(aten.leaky_relu.default, sample((6,), torch.float32), 0.3)
