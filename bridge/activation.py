@@ -9,7 +9,13 @@ from runtime.config import settings
 from runtime.errors import ActivationError
 
 # The patch surfaces, applied in this order and undone in reverse.
-SURFACES = ("bridge.patches.devices", "bridge.patches.random", "bridge.patches.optim")
+SURFACES = (
+    "bridge.patches.devices",
+    "bridge.patches.random",
+    "bridge.patches.optim",
+    "bridge.patches.serialization",
+    "bridge.patches.amp",
+)
 
 _PLATFORMS = {"auto": None, "cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
 

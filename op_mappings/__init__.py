@@ -32,4 +32,5 @@ from . import (  # noqa: F401  (imported for their registrations)
     random,
     foreach,
     prims,
+    amp,
 )

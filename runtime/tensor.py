@@ -161,8 +161,13 @@ class BridgeTensor(torch.Tensor):
         return object.__format__(self, format_spec)
 
     def __reduce_ex__(self, protocol):
-        # Checkpoints must load in plain torch: save as an ordinary CPU tensor.
-        return _to_cpu_tensor(self).__reduce_ex__(protocol)
+        # Checkpoints must load in plain torch: save as an ordinary CPU tensor (or Parameter).
+        plain = _to_cpu_tensor(self)
+        if getattr(self, "_is_param", False):
+            plain = torch.nn.Parameter(plain, requires_grad=self.requires_grad)
+        elif self.requires_grad:
+            plain.requires_grad_(True)
+        return plain.__reduce_ex__(protocol)
 
     def __deepcopy__(self, memo):
         copied = to_bridge(_to_cpu_tensor(self), self._index)
