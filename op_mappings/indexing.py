@@ -25,8 +25,8 @@ def _is_mask(index):
     return index.dtype == jnp.bool_ or index.dtype == jnp.uint8
 
 
-def _index_key(self, indices):
-    """The numpy-style key for ATen's list of optional index tensors, and `self` with any axis a 0-dim mask adds.
+def _index_key(indices):
+    """The numpy-style key for ATen's list of optional index tensors.
 
     numpy's advanced-indexing rules (broadcast the index tensors together; their
     result dims go where they stand if they are adjacent, else first) are torch's.
@@ -38,21 +38,16 @@ def _index_key(self, indices):
         elif _is_mask(index):
             # Data-dependent shape: jnp.nonzero reads the mask on the host, so this
             # only works eagerly (under jax.jit it raises a concretization error).
-            mask = index.astype(jnp.bool_)
-            if mask.ndim == 0:
-                # A 0-dim mask adds a dim of size one (True) or zero (False) where it stands.
-                self = jnp.expand_dims(self, len(key))
-                mask = mask.reshape(1)
-            key.extend(jnp.nonzero(mask))
+            # (torch's Python layer turns 0-dim masks into unsqueeze and integer indices before ATen.)
+            key.extend(jnp.nonzero(index.astype(jnp.bool_)))
         else:
             key.append(index)
-    return self, tuple(key)
+    return tuple(key)
 
 
 @register_mapping(aten.index.Tensor, aten.index.Tensor_hacked_twin, aten._unsafe_index.Tensor, aten._unsafe_index.Tensor_hacked_twin)
 def index(self, indices):
-    self, key = _index_key(self, indices)
-    return self[key]
+    return self[_index_key(indices)]
 
 
 def _masked_put(self, position, mask, values, accumulate):
@@ -86,9 +81,7 @@ def index_put(self, indices, values, accumulate=False):
     position = _single_mask_position(indices, values, self.ndim)
     if position is not None:
         return _masked_put(self, position, indices[position].astype(jnp.bool_), values, accumulate)
-    expanded, key = _index_key(self, indices)
-    if expanded.ndim != self.ndim:
-        raise NotImplementedError("index_put with a 0-dim mask index")
+    key = _index_key(indices)
     return self.at[key].add(values) if accumulate else self.at[key].set(values)
 
 

@@ -35,10 +35,35 @@ def to_torch(value):
     return value
 
 
-def check(op, *args, **kwargs):
+def run(op, *args, eager=False, **kwargs):
+    """The mapping of `op` on JAX copies of the arguments, under jax.jit unless `eager`.
+
+    Entries must be traceable, so the test traces them (one compile also costs less
+    than compiling each primitive eagerly); only data-dependent ops run eagerly.
+    """
+    call = MAPPINGS[op].call
+    leaves, tree = jax.tree_util.tree_flatten((to_jax(args), to_jax(kwargs)))
+    if eager:
+        arguments, keywords = jax.tree_util.tree_unflatten(tree, leaves)
+        return to_torch(call(*arguments, **keywords))
+    dynamic = [position for position, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+
+    def traced(*arrays):
+        filled = list(leaves)
+        for position, array in zip(dynamic, arrays):
+            filled[position] = array
+        arguments, keywords = jax.tree_util.tree_unflatten(tree, filled)
+        return call(*arguments, **keywords)
+
+    return to_torch(jax.jit(traced)(*[leaves[position] for position in dynamic]))
+
+
+def check(op, *args, eager=False, **kwargs):
     """Run the mapping of `op` on the JAX copies of the arguments and compare with torch."""
     expected = op(*args, **kwargs)
-    actual = to_torch(MAPPINGS[op].call(*to_jax(args), **to_jax(kwargs)))
+    actual = run(op, *args, eager=eager, **kwargs)
+    if isinstance(expected, tuple):
+        actual = tuple(actual)
     torch.testing.assert_close(actual, expected, equal_nan=True)
     return actual
 
@@ -292,3 +317,89 @@ def test_scatters():
     check(aten.diagonal_scatter.default, base, sample((3,)), 2)
     check(aten.diagonal_scatter.default, base, sample((4,)), -1, 1, 0)
     check(aten.as_strided_scatter.default, base, sample((2, 2)), [2, 2], [1, 5], 1)
+
+
+# ---------------------------------------------------------------- through the bridge: values, in-place writes and gradients
+
+
+def through_bridge(function, *inputs, differentiable=True):
+    """Run `function` on bridge copies of `inputs` and on the inputs themselves; compare values and input gradients.
+
+    Float inputs take part in autograd; the output's gradient is a fixed random tensor,
+    so that each element's gradient path is checked.
+    """
+    from runtime import stats
+    from runtime.tensor import to_bridge
+    from runtime.tensor import to_torch as bridge_to_torch
+
+    stats.reset()
+    eager = [value.clone().requires_grad_(differentiable and value.is_floating_point()) for value in inputs]
+    bridged = [to_bridge(value).requires_grad_(differentiable and value.is_floating_point()) for value in inputs]
+    expected, actual = function(*eager), function(*bridged)
+    torch.testing.assert_close(bridge_to_torch(actual), expected, equal_nan=True)
+    if differentiable:
+        upstream = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3), dtype=expected.dtype)
+        expected.backward(upstream)
+        actual.backward(to_bridge(upstream))
+        for eager_input, bridged_input in zip(eager, bridged):
+            if eager_input.requires_grad:
+                torch.testing.assert_close(bridge_to_torch(bridged_input.grad), eager_input.grad)
+    summary = stats.summary()
+    assert not summary["cpu_fallbacks"], summary["cpu_fallbacks"]
+    assert not summary["dtype_corrections"], summary["dtype_corrections"]
+
+
+F = torch.nn.functional
+
+VIEW_FUNCTIONS = {
+    "view": lambda x: x.view(6, 4),
+    "reshape_copy": lambda x: x.transpose(0, 1).reshape(-1),
+    "transpose": lambda x: x.transpose(0, 2),
+    "t": lambda x: x[0].t(),
+    "permute": lambda x: x.permute(2, 0, 1),
+    "movedim": lambda x: x.movedim(0, -1),
+    "flatten": lambda x: x.flatten(1),
+    "expand": lambda x: x[:, :1].expand(2, 5, 4),
+    "expand_new_dims": lambda x: x.expand(3, 2, 3, 4),
+    "squeeze_unsqueeze": lambda x: x[:, :1].squeeze(1).unsqueeze(-1),
+    "slice": lambda x: x[1:, ::2, -3:-1],
+    "select": lambda x: x[1, :, -1],
+    "narrow": lambda x: x.narrow(2, 1, 2),
+    "split": lambda x: x.split(2, dim=2)[1],
+    "split_sizes": lambda x: x.split([1, 3], dim=2)[1],
+    "chunk": lambda x: x.chunk(2, dim=1)[0],
+    "unbind": lambda x: x.unbind(1)[2],
+    "diagonal": lambda x: x.diagonal(1, 1, 2),
+    "unfold": lambda x: x.unfold(2, 2, 1),
+    "as_strided": lambda x: x.as_strided((3, 3), (2, 1), 1),
+    "cat": lambda x: torch.cat([x, x[:, :1] * 2], dim=1),
+    "stack": lambda x: torch.stack([x, x.flip(0)], dim=-1),
+    "flip": lambda x: x.flip(0, 2),
+    "roll": lambda x: x.roll(1, 2),
+    "repeat": lambda x: x.repeat(2, 1, 1, 2),
+    "tile": lambda x: x.tile(2),
+    "tril": lambda x: x.tril(1),
+    "triu": lambda x: x.triu(-1),
+    "pad_constant": lambda x: F.pad(x, (1, 2, 0, 1), value=0.5),
+    "pad_reflect": lambda x: F.pad(x, (2, 1), mode="reflect"),
+    "pad_reflect_2d": lambda x: F.pad(x[None], (1, 2, 2, 1), mode="reflect"),
+    "pad_replicate": lambda x: F.pad(x, (2, 3), mode="replicate"),
+    "pad_circular": lambda x: F.pad(x, (1, 2), mode="circular"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(VIEW_FUNCTIONS))
+def test_gradients_through_bridge(bridged, name):
+    through_bridge(VIEW_FUNCTIONS[name], sample((2, 3, 4)))
+
+
+def test_in_place_writes_through_views(bridged):
+    def write(x):
+        x = x.clone()
+        x[:, 0] += 1
+        x[1, 1:3, ::2] = 7.0
+        x.transpose(0, 2)[0].mul_(2)
+        x.diagonal(0, 1, 2).zero_()
+        return x
+
+    through_bridge(write, sample((2, 3, 4)))
