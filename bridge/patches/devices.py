@@ -10,6 +10,7 @@ import jax
 import torch
 
 from runtime import devices
+from runtime.config import settings
 from runtime.tensor import BridgeTensor, to_bridge, to_bridge_autograd, read_value
 
 from . import collect, replace, wrap
@@ -210,6 +211,52 @@ def reset_peak_memory_stats(device=None):
 
 @replace(torch.cuda, "empty_cache")
 def empty_cache():
+    return None
+
+
+# torch.accelerator, the device-generic API newer scripts (and DataLoader's pinning) use.
+@replace(torch.accelerator, "is_available")
+def accelerator_is_available(check_fork=False):
+    return True
+
+
+@replace(torch.accelerator, "current_accelerator")
+def current_accelerator(check_available=False):
+    return torch.device(settings.device_type)
+
+
+@replace(torch.accelerator, "device_count")
+def accelerator_device_count():
+    return devices.device_count()
+
+
+@replace(torch.accelerator, "current_device_index")
+def current_device_index():
+    return devices.current_index()
+
+
+@replace(torch.accelerator, "set_device_index")
+def set_device_index(device):
+    set_device(device)
+
+
+@replace(torch.accelerator, "synchronize")
+def accelerator_synchronize(device=None):
+    synchronize(device)
+
+
+@replace(torch.accelerator, "memory_allocated")
+def accelerator_memory_allocated(device_index=None):
+    return memory_allocated(device_index)
+
+
+@replace(torch.accelerator, "max_memory_allocated")
+def accelerator_max_memory_allocated(device_index=None):
+    return max_memory_allocated(device_index)
+
+
+@replace(torch.accelerator, "empty_cache")
+def accelerator_empty_cache():
     return None
 
 
