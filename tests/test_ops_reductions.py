@@ -1,0 +1,205 @@
+"""Reduction, scan and foreach mappings against eager torch: values, result dtypes and shapes."""
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+import jax.numpy as jnp  # noqa: E402
+import ml_dtypes  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from torch.testing import make_tensor  # noqa: E402
+
+import op_mappings.reductions  # noqa: E402,F401
+from runtime.registry import MAPPINGS  # noqa: E402
+
+aten = torch.ops.aten
+
+
+# ---------------------------------------------------------------- harness
+
+
+def to_jax(value):
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bfloat16:
+            return jnp.asarray(value.float().numpy()).astype(jnp.bfloat16)
+        return jnp.asarray(value.numpy())
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_jax(item) for item in value)
+    return value
+
+
+def to_torch(value):
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_torch(item) for item in value)
+    array = np.asarray(value)
+    if array.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
+    return torch.from_numpy(array.copy())
+
+
+def run_mapping(op, *args, **kwargs):
+    return to_torch(MAPPINGS[op].call(*to_jax(args), **to_jax(kwargs)))
+
+
+def assert_same(actual, expected, **tolerance):
+    if isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for actual_item, expected_item in zip(actual, expected):
+            assert_same(actual_item, expected_item, **tolerance)
+        return
+    assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != torch's {expected.dtype}"
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != torch's {tuple(expected.shape)}"
+    torch.testing.assert_close(actual, expected, equal_nan=True, **tolerance)
+
+
+def check(op, *args, tolerance=None, **kwargs):
+    expected = op(*args, **kwargs)
+    actual = run_mapping(op, *args, **kwargs)
+    try:
+        assert_same(actual, expected, **(tolerance or {}))
+    except AssertionError as error:
+        raise AssertionError(f"{op} on {args} {kwargs}:\n{error}\nbridge: {actual}\ntorch:  {expected}") from None
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    torch.manual_seed(0)
+
+
+def sample(shape, dtype, low=None, high=None):
+    return make_tensor(shape, dtype=dtype, device="cpu", low=low, high=high)
+
+
+# torch sums float32 pairwise, XLA in its own order: allow for the rounding of a few hundred terms.
+SUM_TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}
+
+
+# ---------------------------------------------------------------- sums, means, products
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.int32, torch.bool], ids=str)
+def test_sum_prod_dtype_rules(dtype):
+    values = sample((3, 4, 5), dtype, -3, 3)
+    tolerance = SUM_TOLERANCE.get(dtype)
+    check(aten.sum.default, values, tolerance=tolerance)
+    check(aten.sum.dim_IntList, values, [1], tolerance=tolerance)
+    check(aten.sum.dim_IntList, values, [0, -1], True, tolerance=tolerance)
+    check(aten.sum.dim_IntList, values, [], tolerance=tolerance)
+    check(aten.sum.dim_IntList, values, None, tolerance=tolerance)
+    check(aten.sum.dim_IntList, values, [2], dtype=torch.float64)
+    check(aten.prod.default, values, tolerance=tolerance)
+    check(aten.prod.dim_int, values, 1, True, tolerance=tolerance)
+    check(aten.cumsum.default, values, 1, tolerance=tolerance)
+    check(aten.cumprod.default, values, -1, tolerance=tolerance)
+    check(aten.cumsum.default, values, 0, dtype=torch.float32)
+    check(aten.count_nonzero.default, values)
+    check(aten.count_nonzero.dim_IntList, values, [0, 2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_mean_var_std(dtype):
+    values = sample((4, 6, 5), dtype, -3, 3)
+    tolerance = SUM_TOLERANCE.get(dtype)
+    check(aten.mean.default, values, tolerance=tolerance)
+    check(aten.mean.dim, values, [1, 2], tolerance=tolerance)
+    check(aten.mean.dim, values, [-1], True, tolerance=tolerance)
+    check(aten.mean.dim, values, [0], dtype=torch.float64)
+    for correction in (None, 0, 1, 2.5):
+        check(aten.var.correction, values, [1], correction=correction, tolerance=tolerance)
+        check(aten.std.correction, values, None, correction=correction, tolerance=tolerance)
+    check(aten.var.correction, values, [0, 2], correction=1, keepdim=True, tolerance=tolerance)
+    check(aten.var_mean.correction, values, [1], correction=0, tolerance=tolerance)
+    check(aten.std_mean.correction, values, [0, 1], keepdim=True, tolerance=tolerance)
+    check(aten.var.dim, values, [1], False, tolerance=tolerance)
+    check(aten.std.default, values, tolerance=tolerance)
+    check(aten.var_mean.dim, values, [2], True, True, tolerance=tolerance)
+    check(aten.logsumexp.default, values, [1], tolerance=tolerance)
+    check(aten.logsumexp.default, values, [0, 2], True, tolerance=tolerance)
+
+
+def test_degenerate_reductions():
+    one = torch.randn(1)
+    check(aten.var.correction, one)  # no degrees of freedom: nan
+    check(aten.var.correction, torch.ones(3), correction=2.5)
+    scalar = torch.tensor(2.5)
+    check(aten.sum.dim_IntList, scalar, [0])
+    check(aten.cumsum.default, scalar, 0)
+    check(aten.max.dim, scalar, 0)
+    check(aten.argmax.default, scalar, 0)
+    check(aten.amax.default, scalar, [-1])
+    check(aten.linalg_vector_norm.default, scalar, 2, [0])
+    check(aten.logsumexp.default, torch.tensor([-float("inf"), -float("inf")]), [0])
+    check(aten.logsumexp.default, torch.tensor([float("inf"), 1.0]), [0])
+    check(aten.logsumexp.default, sample((3, 2), torch.int64, 0, 5), [1])
+    check(aten.mean.dim, torch.ones(2, 3, dtype=torch.float16), [0], dtype=torch.float32)
+
+
+# ---------------------------------------------------------------- extrema
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64, torch.bool], ids=str)
+def test_extrema(dtype):
+    values = sample((4, 5), dtype, -5, 5)
+    if dtype.is_floating_point:
+        values[1, 2] = float("nan")
+    values[3] = values[3, 0]  # ties: the first index wins
+    for op in (aten.max.default, aten.min.default):
+        check(op, values)
+    for op in (aten.max.dim, aten.min.dim):
+        check(op, values, 1)
+        check(op, values, 0, True)
+    for op in (aten.amax.default, aten.amin.default):
+        check(op, values)
+        check(op, values, [0])
+        check(op, values, [1], True)
+    if dtype is not torch.bool:
+        for op in (aten.argmax.default, aten.argmin.default):
+            check(op, values)
+            check(op, values, 1)
+            check(op, values, -2, True)
+    check(aten.aminmax.default, values, dim=1, keepdim=True)
+    check(aten.aminmax.default, values)
+
+
+# ---------------------------------------------------------------- logical
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.float32, torch.int64], ids=str)
+def test_all_any(dtype):
+    values = sample((3, 4), dtype, 0, 2)
+    values[0] = 1
+    for packet in (aten.all, aten.any):
+        check(packet.default, values)
+        check(packet.dim, values, 1)
+        check(packet.dim, values, 0, True)
+        check(packet.dims, values, [0, 1])
+        check(packet.dims, values, None)
+        check(packet.dims, values, [], True)
+
+
+# ---------------------------------------------------------------- norms
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_norms(dtype):
+    values = sample((3, 4, 5), dtype, -3, 3)
+    values[0, 0, :2] = 0
+    tolerance = SUM_TOLERANCE.get(dtype)
+    for ord in (2, 1, float("inf"), -float("inf"), 0, 3, 0.5):
+        check(aten.linalg_vector_norm.default, values, ord, tolerance=tolerance)
+        check(aten.linalg_vector_norm.default, values, ord, [1, 2], True, tolerance=tolerance)
+    check(aten.linalg_vector_norm.default, values, 2, [0], dtype=torch.float64)
+    check(aten.norm.Scalar, values, tolerance=tolerance)
+    check(aten.norm.Scalar, values, 1, tolerance=tolerance)
+    check(aten.norm.ScalarOpt_dim, values, None, [1], tolerance=tolerance)
+    check(aten.norm.ScalarOpt_dim, values, 3, [0, 2], True, tolerance=tolerance)
+    check(aten.norm.ScalarOpt_dim_dtype, values, 2, [1], False, dtype=torch.float64)
+    check(aten.norm.ScalarOpt_dtype, values, 2, dtype=torch.float64)
+
+
+def test_complex_norm_and_variance():
+    values = torch.randn(3, 4, dtype=torch.complex64)
+    check(aten.linalg_vector_norm.default, values, 2, [1])
+    check(aten.var.correction, values, [1])
