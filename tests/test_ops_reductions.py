@@ -11,6 +11,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.testing import make_tensor  # noqa: E402
 
+import op_mappings.foreach  # noqa: E402,F401
 import op_mappings.reductions  # noqa: E402,F401
 from runtime.registry import MAPPINGS  # noqa: E402
 
@@ -203,3 +204,77 @@ def test_complex_norm_and_variance():
     values = torch.randn(3, 4, dtype=torch.complex64)
     check(aten.linalg_vector_norm.default, values, 2, [1])
     check(aten.var.correction, values, [1])
+
+
+# ---------------------------------------------------------------- foreach (optimizers, clip_grad_norm_)
+
+
+def tensor_list(dtypes=(torch.float32, torch.bfloat16, torch.float64), low=-3, high=3):
+    shapes = [(3, 4), (5,), ()]
+    return [sample(shape, dtype, low, high) for shape, dtype in zip(shapes, dtypes)]
+
+
+FOREACH_UNARY = [
+    aten._foreach_abs, aten._foreach_neg, aten._foreach_sign, aten._foreach_exp, aten._foreach_sigmoid,
+    aten._foreach_tanh, aten._foreach_round, aten._foreach_zero, aten._foreach_clone, aten._foreach_max,
+]
+
+
+@pytest.mark.parametrize("packet", FOREACH_UNARY, ids=str)
+def test_foreach_unary(packet):
+    check(packet.default, tensor_list())
+
+
+def test_foreach_unary_positive_domain():
+    positive = tensor_list(low=0.1, high=4)
+    for packet in (aten._foreach_sqrt, aten._foreach_rsqrt, aten._foreach_log, aten._foreach_reciprocal):
+        check(packet.default, positive)
+
+
+@pytest.mark.parametrize("packet", [aten._foreach_add, aten._foreach_sub, aten._foreach_mul, aten._foreach_div,
+                                    aten._foreach_maximum, aten._foreach_minimum, aten._foreach_clamp_min,
+                                    aten._foreach_clamp_max], ids=str)
+def test_foreach_binary(packet):
+    self, other = tensor_list(), tensor_list()
+    overloads = packet.overloads()
+    check(packet.List, self, other)
+    check(packet.Scalar, self, 0.5)
+    check(packet.ScalarList, self, [0.5, -2, 3.0])
+    if "Tensor" in overloads:
+        check(packet.Tensor, self, torch.tensor(0.25))
+    if packet in (aten._foreach_add, aten._foreach_sub):
+        check(packet.List, self, other, alpha=-0.1)
+    integers = [sample((4,), torch.int64, 1, 9), sample((2, 2), torch.int32, 1, 9)]
+    check(packet.List, integers, [sample((4,), torch.int64, 1, 9), sample((2, 2), torch.int32, 1, 9)])
+    check(packet.Scalar, integers, 2)
+
+
+def test_foreach_pow():
+    base, exponent = tensor_list(low=0.5, high=2), tensor_list(low=-2, high=2)
+    check(aten._foreach_pow.List, base, exponent)
+    check(aten._foreach_pow.Scalar, base, 2)
+    check(aten._foreach_pow.Scalar, base, 0.5)
+    check(aten._foreach_pow.ScalarList, base, [2, 0.5, -1])
+    check(aten._foreach_pow.ScalarAndTensor, 2.0, exponent)
+
+
+@pytest.mark.parametrize("packet", [aten._foreach_addcmul, aten._foreach_addcdiv], ids=str)
+def test_foreach_addcmul_addcdiv(packet):
+    self, first, second = tensor_list(), tensor_list(), tensor_list(low=0.5, high=2)
+    check(packet.Scalar, self, first, second)
+    check(packet.Scalar, self, first, second, -0.3)
+    check(packet.ScalarList, self, first, second, [0.1, -2.0, 3])
+    check(packet.Tensor, self, first, second, torch.tensor([0.1, -2.0, 3.0], dtype=torch.float64))
+
+
+def test_foreach_lerp_copy_norm():
+    start, end = tensor_list(), tensor_list()
+    check(aten._foreach_lerp.Scalar, start, end, 0.3)
+    check(aten._foreach_lerp.ScalarList, start, end, [0.3, 0.9, -0.1])
+    check(aten._foreach_lerp.List, start, end, tensor_list(low=0, high=1))
+    check(aten._foreach_copy.default, start, end)
+    for ord in (2, 1, float("inf")):
+        check(aten._foreach_norm.Scalar, start, ord, tolerance=SUM_TOLERANCE[torch.bfloat16])
+    check(aten._foreach_norm.Scalar, start, 2, torch.float64)
+    check(aten._foreach_powsum.Scalar, start, 2, tolerance=SUM_TOLERANCE[torch.bfloat16])
+    check(aten._foreach_powsum.Scalar, start, 3, torch.float64)
