@@ -262,18 +262,23 @@ def _out_arguments(schema):
 
 
 def _functional_counterpart(func):
-    """`add.Tensor` for `add_.Tensor` and for `add.out`; None if there is none."""
+    """`add.Tensor` for `add_.Tensor` and for `add.out`; None if there is none.
+
+    The counterpart is the overload of the functional packet with the same name, else the one
+    taking the same arguments (`bernoulli_.float` -> `bernoulli.p`, `normal_` -> `normal.functional`).
+    """
     schema = func._schema
     base_name = schema.name.split("::")[-1]
+    outs = _out_arguments(schema)
     if _writes_self(schema):
         packet = getattr(aten, base_name[:-1], None)
-        if packet is None:
-            return None
-        return getattr(packet, func._overloadname, None)
-    outs = _out_arguments(schema)
-    if not outs:
+        same_name = getattr(packet, func._overloadname, None) if packet is not None else None
+        if same_name is not None and not _out_arguments(same_name._schema):
+            return same_name
+    elif outs:
+        packet = getattr(aten, base_name, None)
+    else:
         return None
-    packet = getattr(aten, base_name, None)
     if packet is None:
         return None
     wanted = [argument.name for argument in schema.arguments if argument.name not in outs]
@@ -443,13 +448,34 @@ def _write_into(target, value):
             target.copy_(value.cpu() if isinstance(value, BridgeTensor) else value)
 
 
+def _with_defaults(schema, args, kwargs):
+    """Positional arguments completed with the schema's defaults (for a counterpart whose
+    schema has no default where this one has)."""
+    positional = [argument for argument in schema.arguments if not argument.kwarg_only]
+    if len(args) >= len(positional):
+        return args, kwargs
+    completed = list(args)
+    for argument in positional[len(args):]:
+        if argument.name in kwargs:
+            completed.append(kwargs[argument.name])
+        elif argument.has_default_value():
+            completed.append(argument.default_value)
+        else:
+            break
+    kwargs = {name: value for name, value in kwargs.items() if name not in {a.name for a in positional}}
+    return tuple(completed), kwargs
+
+
 def _inplace_plan(func, functional):
     """`foo_(self, ...)`: run the functional `foo`, write its outputs into the written arguments."""
     written = _written_arguments(func._schema)
     returns = len(func._schema.returns)
+    same_overload = func._overloadname == functional._overloadname
 
     def run(args, kwargs):
         _precheck(func, args, kwargs)
+        if not same_overload:
+            args, kwargs = _with_defaults(func._schema, args, kwargs)
         result = _run_uncounted(functional, args, kwargs)
         results = [result] if len(written) == 1 else list(result)
         for (position, name), value in zip(written, results):

@@ -16,6 +16,10 @@ def seed(value):
     _state["key"] = None
 
 
+def get_seed():
+    return _state["seed"]
+
+
 def next_key():
     """A fresh key for one random op; advances the state."""
     key = _state["key"]
@@ -27,8 +31,17 @@ def next_key():
 
 
 def get_state():
-    return dict(_state)
+    """The generator's state as bytes (what torch.cuda.get_rng_state returns as a uint8 tensor)."""
+    key = _state["key"]
+    if key is None:
+        key = jax.random.key(np.uint64(_state["seed"]) if _state["seed"] >= 2**63 else _state["seed"])
+    data = np.asarray(jax.random.key_data(key), dtype=np.uint32)
+    return np.uint64(_state["seed"]).tobytes() + data.tobytes()
 
 
 def set_state(state):
-    _state.update(state)
+    """Restore a state from get_state()."""
+    state = bytes(state)
+    _state["seed"] = int(np.frombuffer(state[:8], dtype=np.uint64)[0])
+    data = np.frombuffer(state[8:], dtype=np.uint32)
+    _state["key"] = jax.random.wrap_key_data(jax.numpy.asarray(data))

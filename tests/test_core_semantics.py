@@ -204,3 +204,20 @@ def test_dropout_is_identity_in_eval(bridged):
     layer = nn.Dropout(0.5).to("cuda").eval()
     x = torch.randn(10, device="cuda")
     assert torch.equal(layer(x).cpu(), x.cpu())
+
+
+def test_cuda_rng_state_round_trips_and_fork_rng(bridged):
+    torch.manual_seed(7)
+    state = torch.cuda.get_rng_state()
+    first = torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5).cpu()
+    torch.cuda.set_rng_state(state)
+    again = torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5).cpu()
+    assert torch.equal(first, again)
+    with torch.random.fork_rng(device_type="cuda"):
+        torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5)
+    after_fork = torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5).cpu()
+    torch.cuda.set_rng_state(state)
+    torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5)
+    expected = torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5).cpu()
+    assert torch.equal(after_fork, expected), "fork_rng must restore the bridge generator"
+    assert torch.cuda.initial_seed() == 7

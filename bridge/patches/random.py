@@ -4,7 +4,7 @@ import torch
 
 from runtime import random
 
-from . import collect, wrap
+from . import collect, replace, wrap
 
 
 @wrap(torch, "manual_seed")
@@ -41,6 +41,36 @@ def cuda_manual_seed(wrapped, instance, args, kwargs):
 @wrap(torch.cuda, "manual_seed_all")
 def cuda_manual_seed_all(wrapped, instance, args, kwargs):
     _seed_bridge(wrapped, instance, args, kwargs)
+
+
+def _state_tensor():
+    return torch.frombuffer(bytearray(random.get_state()), dtype=torch.uint8)
+
+
+@replace(torch.cuda, "get_rng_state")
+def get_rng_state(device="cuda"):
+    return _state_tensor()
+
+
+@replace(torch.cuda, "set_rng_state")
+def set_rng_state(new_state, device="cuda"):
+    random.set_state(new_state.to(torch.uint8).cpu().numpy().tobytes())
+
+
+@replace(torch.cuda, "get_rng_state_all")
+def get_rng_state_all():
+    # One generator serves every bridge device.
+    return [_state_tensor() for _ in range(torch.cuda.device_count())]
+
+
+@replace(torch.cuda, "set_rng_state_all")
+def set_rng_state_all(new_states):
+    set_rng_state(new_states[0])
+
+
+@replace(torch.cuda, "initial_seed")
+def initial_seed():
+    return random.get_seed()
 
 
 PATCHES = collect(dict(globals()))
