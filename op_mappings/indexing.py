@@ -356,6 +356,27 @@ def embedding_dense_backward(grad_output, indices, num_weights, padding_idx, sca
     return grad_weight.astype(grad_output.dtype)
 
 
+@register_mapping(aten.embedding_renorm.default)
+def embedding_renorm(self, indices, max_norm, norm_type):
+    # Rows that indices name and whose norm exceeds max_norm are scaled down to it (torch's 1e-7 guard included).
+    named = jnp.zeros((self.shape[0],), dtype=jnp.bool_).at[indices.reshape(-1)].set(True)
+    norms = jnp.linalg.norm(self.astype(jnp.promote_types(self.dtype, jnp.float32)), ord=norm_type, axis=1)
+    scale = jnp.where(named & (norms > max_norm), max_norm / (norms + 1e-7), 1.0)
+    return (self * scale[:, None]).astype(self.dtype)
+
+
+# ---------------------------------------------------------------- repeat_interleave
+
+
+@register_mapping(aten.repeat_interleave.Tensor)
+def repeat_interleave(repeats, *, output_size=None):
+    if output_size is None:
+        # Data-dependent length: reads the total on the host, so eager only unless output_size is given.
+        output_size = int(repeats.sum())
+    positions = jnp.arange(repeats.shape[0], dtype=repeats.dtype)
+    return jnp.repeat(positions, repeats, total_repeat_length=output_size)
+
+
 # ---------------------------------------------------------------- sorting
 
 

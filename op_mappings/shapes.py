@@ -95,6 +95,12 @@ def alias(self):
     return self
 
 
+@register_mapping(aten._neg_view.default, aten._neg_view_copy.default)
+def neg_view(self):
+    # A lazily negated view in torch; its value is the negation.
+    return -self
+
+
 @register_mapping(aten.flatten.using_ints)
 def flatten(self, start_dim=0, end_dim=-1):
     if self.ndim == 0:

@@ -248,6 +248,18 @@ def test_embedding(dtype):
     check(aten.embedding_dense_backward.default, grad, indices.to(torch.int32), 10, 2, True)
 
 
+def test_embedding_renorm():
+    weight = sample((6, 3)) * 3
+    check(aten.embedding_renorm.default, weight, torch.tensor([[0, 2], [2, 5]]), 1.5, 2.0)
+    check(aten.embedding_renorm.default, weight, torch.tensor([1, 3]), 2.0, 1.0)
+
+
+def test_repeat_interleave():
+    repeats = torch.tensor([1, 0, 3, 2])
+    check(aten.repeat_interleave.Tensor, repeats, output_size=6)
+    check(aten.repeat_interleave.Tensor, repeats, eager=True)
+
+
 # ---------------------------------------------------------------- sorting
 
 
@@ -441,6 +453,7 @@ INDEXING_FUNCTIONS = {
     "embedding": lambda x, rows, mask: F.embedding(rows[None], x),
     "embedding_padding": lambda x, rows, mask: F.embedding(rows[None], x, padding_idx=3),
     "embedding_scaled": lambda x, rows, mask: F.embedding(rows[None], x, scale_grad_by_freq=True),
+    "repeat_interleave": lambda x, rows, mask: x.repeat_interleave(rows, dim=0, output_size=7),
 }
 
 

@@ -110,6 +110,10 @@ def test_identity_views(op):
     check(op, sample((2, 3)))
 
 
+def test_neg_view():
+    check(aten._neg_view.default, torch.randn(3, dtype=torch.complex64))
+
+
 @pytest.mark.parametrize("start, end", [(0, -1), (1, 2), (-2, -1), (0, 0)])
 def test_flatten(start, end):
     check(aten.flatten.using_ints, sample((2, 3, 4)), start, end)
