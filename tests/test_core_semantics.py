@@ -221,3 +221,17 @@ def test_cuda_rng_state_round_trips_and_fork_rng(bridged):
     expected = torch.nn.functional.dropout(torch.ones(64, device="cuda"), 0.5).cpu()
     assert torch.equal(after_fork, expected), "fork_rng must restore the bridge generator"
     assert torch.cuda.initial_seed() == 7
+
+
+def test_streams_and_events_for_timing(bridged):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    (torch.randn(64, 64, device="cuda") @ torch.randn(64, 64, device="cuda")).sum().item()
+    end.record()
+    end.synchronize()
+    assert start.elapsed_time(end) >= 0.0
+    assert not torch.cuda.current_stream().is_capturing()
+    with torch.cuda.stream(torch.cuda.Stream()):
+        assert torch.ones(1, device="cuda").item() == 1.0
+    assert torch.accelerator.current_accelerator().type == "cuda"
+    assert torch.accelerator.device_count() == torch.cuda.device_count()

@@ -4,7 +4,7 @@ Covers moving tensors (`Tensor.to/cuda`), factory functions called with
 `device=`, and the `torch.cuda` / `torch.accelerator` queries scripts make.
 """
 
-import functools
+import time
 
 import jax
 import torch
@@ -214,7 +214,103 @@ def empty_cache():
     return None
 
 
+# Streams and events. JAX orders work on a device itself; a stream is a no-op context, and
+# an event is a point in time after all queued work has finished.
+class BridgeStream:
+    """What `torch.cuda.current_stream()` / `torch.cuda.Stream()` return for a bridge device."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        index = _index_of(device)
+        self.device = devices.torch_device(index)
+        self.device_index = index
+        self.priority = priority
+
+    def is_capturing(self):
+        return False
+
+    def synchronize(self):
+        synchronize()
+
+    def query(self):
+        return True
+
+    def wait_stream(self, stream):
+        return None
+
+    def wait_event(self, event):
+        return None
+
+    def record_event(self, event=None):
+        event = event or BridgeEvent()
+        event.record(self)
+        return event
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        return False
+
+
+class BridgeEvent:
+    """What `torch.cuda.Event()` returns: records the time once queued work has finished."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
+        self.enable_timing = enable_timing
+        self.time = None
+
+    def record(self, stream=None):
+        synchronize()
+        self.time = time.perf_counter()
+
+    def synchronize(self):
+        synchronize()
+
+    def wait(self, stream=None):
+        return None
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end_event):
+        return (end_event.time - self.time) * 1000.0
+
+
+@replace(torch.cuda, "current_stream")
+def current_stream(device=None):
+    return BridgeStream(device)
+
+
+@replace(torch.cuda, "default_stream")
+def default_stream(device=None):
+    return BridgeStream(device)
+
+
+@replace(torch.cuda, "Stream")
+class Stream(BridgeStream):
+    pass
+
+
+@replace(torch.cuda, "Event")
+class Event(BridgeEvent):
+    pass
+
+
+@replace(torch.cuda, "stream")
+def stream(stream=None):
+    return stream if stream is not None else BridgeStream()
+
+
+@replace(torch.cuda, "is_current_stream_capturing")
+def is_current_stream_capturing():
+    return False
+
+
 # torch.accelerator, the device-generic API newer scripts (and DataLoader's pinning) use.
+@replace(torch.accelerator, "current_stream")
+def accelerator_current_stream(device=None):
+    return BridgeStream(device)
+
 @replace(torch.accelerator, "is_available")
 def accelerator_is_available(check_fork=False):
     return True
