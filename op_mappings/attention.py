@@ -4,6 +4,7 @@ With dropout, 3-d inputs or a value head size unlike the query's, torch takes it
 instead, which decomposes into bmm, `_safe_softmax` and dropout ops mapped elsewhere.
 """
 
+import functools
 import math
 
 import jax
@@ -22,6 +23,7 @@ def _accumulator(dtype):
     return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
 
 
+@functools.partial(jax.jit, static_argnames=("is_causal", "scale"))
 def _attention(query, key, value, is_causal, attn_mask, scale):
     """(output, logsumexp of the scaled, masked scores); softmax in float32 for half-precision inputs.
 
@@ -81,7 +83,7 @@ def scaled_dot_product_flash_attention_for_cpu(
     query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
 ):
     _check_dropout(dropout_p)
-    return _attention(query, key, value, is_causal, attn_mask, scale)
+    return _attention(query, key, value, is_causal=is_causal, attn_mask=attn_mask, scale=scale)
 
 
 @register_mapping(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
@@ -89,7 +91,12 @@ def scaled_dot_product_flash_attention_for_cpu_backward(
     grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None
 ):
     _check_dropout(dropout_p)
+    return _attention_backward(grad_out, query, key, value, attn_mask, is_causal=is_causal, scale=scale)
 
+
+# Compiled as one program: op by op, the vjp would dispatch (and compile) every primitive separately.
+@functools.partial(jax.jit, static_argnames=("is_causal", "scale"))
+def _attention_backward(grad_out, query, key, value, attn_mask, is_causal, scale):
     # Recomputing the forward under vjp costs one more score matrix but needs no saved softmax.
     def forward(query, key, value):
         return _attention(query, key, value, is_causal, attn_mask, scale)[0]

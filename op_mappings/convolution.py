@@ -4,6 +4,7 @@ Shapes here are static (they come from the schema's int lists), so window
 bookkeeping (output sizes, divisors, source indices) is done in NumPy at trace time.
 """
 
+import functools
 import math
 
 import jax
@@ -20,6 +21,28 @@ _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 def _accumulator(dtype):
     return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
+
+
+def _hashable(value):
+    return tuple(_hashable(item) for item in value) if isinstance(value, list) else value
+
+
+def _compiled(*static_names):
+    """Compile a helper as one XLA program per signature, the named arguments static (lists become tuples).
+
+    Op by op, a window computation or a vjp would dispatch and compile each primitive separately.
+    """
+
+    def decorate(function):
+        compiled = jax.jit(function, static_argnames=static_names)
+
+        @functools.wraps(function)
+        def run(*args, **kwargs):
+            return compiled(*map(_hashable, args), **{name: _hashable(value) for name, value in kwargs.items()})
+
+        return run
+
+    return decorate
 
 
 def _expand(values, count):
@@ -46,6 +69,7 @@ def _transposed_weight(weight, groups):
     return jnp.flip(forward, axis=tuple(range(2, 2 + len(kernel))))
 
 
+@_compiled("stride", "padding", "dilation", "transposed", "output_padding", "groups")
 def _convolve(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
     spatial = input.ndim - 2
     stride = _expand(stride, spatial)
@@ -99,6 +123,13 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
 def convolution_backward(
     grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
 ):
+    return _convolution_backward(
+        grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups, output_mask
+    )
+
+
+@_compiled("stride", "padding", "dilation", "transposed", "output_padding", "groups", "output_mask")
+def _convolution_backward(grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups, output_mask):
     def forward(input, weight):
         return _convolve(input, weight, None, stride, padding, dilation, transposed, output_padding, groups)
 
@@ -131,18 +162,25 @@ _NO_INDEX = np.iinfo(np.int64).max
 
 
 def _first_maximum(left, right):
-    """Reducer over (value, index) pairs: the larger value, NaN above all, the lower index on ties.
+    """Reducer over (value, index) pairs picking what torch's scan picks: the first of equal
+    maxima, but the last NaN (its kernels replace the running maximum on `val > max || isnan(val)`).
 
-    Being commutative, it gives torch's "first maximum in the window" whatever order XLA reduces in.
+    Being commutative, it gives the same choice whatever order XLA reduces in.
     """
     left_value, left_index = left
     right_value, right_index = right
     left_nan, right_nan = left_value != left_value, right_value != right_value
-    same = (left_value == right_value) | (left_nan & right_nan)
-    left_wins = (left_value > right_value) | (left_nan & ~right_nan) | (same & (left_index < right_index))
+    both_nan = left_nan & right_nan
+    left_wins = (
+        (left_value > right_value)
+        | (left_nan & ~right_nan)
+        | ((left_value == right_value) & (left_index < right_index))
+        | (both_nan & (left_index > right_index))
+    )
     return jnp.where(left_wins, left_value, right_value), jnp.where(left_wins, left_index, right_index)
 
 
+@_compiled("kernel_size", "stride", "padding", "dilation", "ceil_mode", "spatial")
 def _max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, spatial):
     kernel = _expand(kernel_size, spatial)
     stride = _expand(stride, spatial) if stride else kernel
@@ -174,6 +212,7 @@ def _max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, spatial)
     return values, indices
 
 
+@_compiled("spatial")
 def _max_pool_backward(grad_output, input, indices, spatial):
     """Scatter-add each output's gradient to the input element its index names."""
     batch = input.shape[:-spatial]
@@ -216,6 +255,7 @@ def _average_divisors(size, kernel, stride, padding, out, count_include_pad):
     return (np.minimum(ends, size) - np.maximum(starts, 0)).astype(np.float64)
 
 
+@_compiled("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override", "spatial")
 def _avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, spatial):
     kernel = _expand(kernel_size, spatial)
     stride = _expand(stride, spatial) if stride else kernel
@@ -227,7 +267,7 @@ def _avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad,
     batch_dims = input.ndim - spatial
     total = lax.reduce_window(
         input.astype(accumulator),
-        jnp.asarray(0, dtype=accumulator),
+        np.zeros((), dtype=accumulator),  # a concrete init lets JAX see a differentiable window sum
         lax.add,
         window_dimensions=(1,) * batch_dims + tuple(kernel),
         window_strides=(1,) * batch_dims + tuple(stride),
@@ -258,20 +298,22 @@ def _linear_backward(forward, grad_output, like):
     return pullback(grad_output.astype(like.dtype))[0]
 
 
+@_compiled("kernel_size", "stride", "padding", "ceil_mode", "count_include_pad", "divisor_override", "spatial")
+def _avg_pool_backward(grad_output, input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, spatial):
+    def forward(input):
+        return _avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, spatial)
+
+    return _linear_backward(forward, grad_output, input)
+
+
 @register_mapping(aten.avg_pool2d_backward.default)
 def avg_pool2d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    def forward(input):
-        return _avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2)
-
-    return _linear_backward(forward, grad_output, self)
+    return _avg_pool_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 2)
 
 
 @register_mapping(aten.avg_pool3d_backward.default)
 def avg_pool3d_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override):
-    def forward(input):
-        return _avg_pool(input, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3)
-
-    return _linear_backward(forward, grad_output, self)
+    return _avg_pool_backward(grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override, 3)
 
 
 # ---------------------------------------------------------------- adaptive pooling
@@ -293,6 +335,7 @@ def _adaptive_average_matrix(size, out):
     return matrix
 
 
+@_compiled("output_size", "spatial")
 def _adaptive_avg_pool(input, output_size, spatial):
     output_size = _expand(output_size, spatial)
     accumulator = _accumulator(input.dtype)
@@ -312,10 +355,15 @@ def adaptive_avg_pool2d(self, output_size):
     return _adaptive_avg_pool(self, output_size, 2)
 
 
+@_compiled("spatial")
+def _adaptive_avg_pool_backward(grad_output, input, spatial):
+    output_size = grad_output.shape[-spatial:]
+    return _linear_backward(lambda input: _adaptive_avg_pool(input, output_size, spatial), grad_output, input)
+
+
 @register_mapping(aten._adaptive_avg_pool2d_backward.default)
 def adaptive_avg_pool2d_backward(grad_output, self):
-    output_size = grad_output.shape[-2:]
-    return _linear_backward(lambda input: _adaptive_avg_pool(input, output_size, 2), grad_output, self)
+    return _adaptive_avg_pool_backward(grad_output, self, 2)
 
 
 @register_mapping(aten._adaptive_avg_pool3d.default)
@@ -325,13 +373,16 @@ def adaptive_avg_pool3d(self, output_size):
 
 @register_mapping(aten._adaptive_avg_pool3d_backward.default)
 def adaptive_avg_pool3d_backward(grad_output, self):
-    output_size = grad_output.shape[-3:]
-    return _linear_backward(lambda input: _adaptive_avg_pool(input, output_size, 3), grad_output, self)
+    return _adaptive_avg_pool_backward(grad_output, self, 3)
 
 
 @register_mapping(aten.adaptive_max_pool2d.default)
 def adaptive_max_pool2d(self, output_size):
-    output_size = _expand(output_size, 2)
+    return _adaptive_max_pool2d(self, _expand(output_size, 2))
+
+
+@_compiled("output_size")
+def _adaptive_max_pool2d(self, output_size):
     height, width = self.shape[-2:]
     rows_start, rows_end = _adaptive_bounds(height, output_size[0])
     cols_start, cols_end = _adaptive_bounds(width, output_size[1])
@@ -353,11 +404,15 @@ def adaptive_max_pool2d(self, output_size):
         fill = jnp.iinfo(self.dtype).min
     windows = jnp.where(valid, windows, jnp.asarray(fill, dtype=self.dtype))
     flat = rows[:, :, None, None] * width + cols[None, None, :, :]
-    # Bring the window axes last so one argmax picks the first maximum in row-major order.
+    # Bring the window axes last, in row-major order, for one argmax per window.
     windows = jnp.moveaxis(windows, -3, -2)
-    windows = windows.reshape(windows.shape[:-2] + (row_span * col_span,))
-    flat = np.moveaxis(flat, 1, 2).reshape(output_size[0], output_size[1], row_span * col_span)
-    choice = jnp.argmax(windows, axis=-1)
+    span = row_span * col_span
+    windows = windows.reshape(windows.shape[:-2] + (span,))
+    flat = np.moveaxis(flat, 1, 2).reshape(output_size[0], output_size[1], span)
+    # torch keeps the first of equal maxima but the last NaN (see _first_maximum).
+    is_nan = windows != windows
+    last_nan = span - 1 - jnp.argmax(is_nan[..., ::-1], axis=-1)
+    choice = jnp.where(jnp.any(is_nan, axis=-1), last_nan, jnp.argmax(windows, axis=-1))
     values = jnp.take_along_axis(windows, choice[..., None], axis=-1)[..., 0]
     indices = jnp.asarray(flat)[np.arange(output_size[0])[:, None], np.arange(output_size[1])[None, :], choice]
     return values, indices.astype(jnp.int64)
@@ -387,6 +442,7 @@ def _nearest_indices(input_size, output_size, scale):
     return np.minimum(source, input_size - 1)
 
 
+@_compiled("output_size", "scales")
 def _upsample_nearest(input, output_size, scales):
     out = input
     spatial = len(output_size)
@@ -413,6 +469,7 @@ def _linear_weights(input_size, output_size, scale, align_corners, real):
     return low, high, real(1) - high_weight, high_weight
 
 
+@_compiled("output_size", "align_corners", "scales")
 def _upsample_bilinear(input, output_size, align_corners, scales):
     accumulator = _accumulator(input.dtype)
     real = np.float64 if accumulator == jnp.float64 else np.float32
@@ -457,11 +514,16 @@ def upsample_nearest2d_vec(input, output_size, scale_factors):
     return _upsample_nearest(input, output_size, scales)
 
 
+@_compiled("output_size", "input_size", "scales")
+def _upsample_nearest_backward(grad_output, output_size, input_size, scales):
+    like = jnp.zeros(input_size, dtype=_accumulator(grad_output.dtype))
+    grad = _linear_backward(lambda input: _upsample_nearest(input, output_size, scales), grad_output, like)
+    return grad.astype(grad_output.dtype)
+
+
 @register_mapping(aten.upsample_nearest2d_backward.default)
 def upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=None, scales_w=None):
-    like = jnp.zeros(tuple(input_size), dtype=_accumulator(grad_output.dtype))
-    grad = _linear_backward(lambda input: _upsample_nearest(input, tuple(output_size), (scales_h, scales_w)), grad_output, like)
-    return grad.astype(grad_output.dtype)
+    return _upsample_nearest_backward(grad_output, output_size, input_size, (scales_h, scales_w))
 
 
 @register_mapping(aten.upsample_bilinear2d.default)
@@ -475,19 +537,25 @@ def upsample_bilinear2d_vec(input, output_size, align_corners, scale_factors):
     return _upsample_bilinear(input, output_size, align_corners, scales)
 
 
-@register_mapping(aten.upsample_bilinear2d_backward.default)
-def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None):
-    like = jnp.zeros(tuple(input_size), dtype=_accumulator(grad_output.dtype))
+@_compiled("output_size", "input_size", "align_corners", "scales")
+def _upsample_bilinear_backward(grad_output, output_size, input_size, align_corners, scales):
+    like = jnp.zeros(input_size, dtype=_accumulator(grad_output.dtype))
 
     def forward(input):
-        return _upsample_bilinear(input, tuple(output_size), align_corners, (scales_h, scales_w))
+        return _upsample_bilinear(input, output_size, align_corners, scales)
 
     return _linear_backward(forward, grad_output, like).astype(grad_output.dtype)
+
+
+@register_mapping(aten.upsample_bilinear2d_backward.default)
+def upsample_bilinear2d_backward(grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    return _upsample_bilinear_backward(grad_output, output_size, input_size, align_corners, (scales_h, scales_w))
 
 
 # ---------------------------------------------------------------- im2col / col2im (F.unfold / F.fold)
 
 
+@_compiled("kernel_size", "dilation", "padding", "stride")
 def _im2col(input, kernel_size, dilation, padding, stride):
     batched = input.ndim == 4
     if not batched:
@@ -513,14 +581,18 @@ def im2col(self, kernel_size, dilation, padding, stride):
 
 @register_mapping(aten.col2im.default)
 def col2im(self, output_size, kernel_size, dilation, padding, stride):
-    kernel_size = _expand(kernel_size, 2)
-    batched = self.ndim == 3
-    channels = self.shape[-2] // math.prod(kernel_size)
-    image_shape = ((self.shape[0],) if batched else ()) + (channels,) + tuple(_expand(output_size, 2))
-    like = jnp.zeros(image_shape, dtype=self.dtype)
+    return _col2im(self, _expand(output_size, 2), _expand(kernel_size, 2), _expand(dilation, 2), _expand(padding, 2), _expand(stride, 2))
+
+
+@_compiled("output_size", "kernel_size", "dilation", "padding", "stride")
+def _col2im(columns, output_size, kernel_size, dilation, padding, stride):
+    batched = columns.ndim == 3
+    channels = columns.shape[-2] // math.prod(kernel_size)
+    image_shape = ((columns.shape[0],) if batched else ()) + (channels,) + tuple(output_size)
+    like = jnp.zeros(image_shape, dtype=columns.dtype)
 
     def forward(image):
-        return _im2col(image, kernel_size, _expand(dilation, 2), _expand(padding, 2), _expand(stride, 2))
+        return _im2col(image, kernel_size, dilation, padding, stride)
 
     # col2im is the adjoint of im2col: overlapping patches add up.
-    return _linear_backward(forward, self, like)
+    return _linear_backward(forward, columns, like)

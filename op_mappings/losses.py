@@ -3,6 +3,8 @@
 `reduction` follows torch's enum: 0 none, 1 mean, 2 sum.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from torch.ops import aten
@@ -102,6 +104,8 @@ def _nll_parts(self, target, weight, ignore_index):
     return class_axis, safe_target, element_weight
 
 
+# The nll bodies run a dozen primitives: compiled as one program, they dispatch (and compile) once.
+@functools.partial(jax.jit, static_argnames=("reduction", "ignore_index"))
 def _nll_forward(self, target, weight, reduction, ignore_index):
     class_axis, safe_target, element_weight = _nll_parts(self, target, weight, ignore_index)
     accumulator = element_weight.dtype
@@ -116,6 +120,7 @@ def _nll_forward(self, target, weight, reduction, ignore_index):
     return total.astype(self.dtype), total_weight.astype(self.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("reduction", "ignore_index"))
 def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
     class_axis, safe_target, element_weight = _nll_parts(self, target, weight, ignore_index)
     accumulator = element_weight.dtype

@@ -1,9 +1,14 @@
 """Batch, layer, group and RMS normalization, with the backward ops torch's autograd calls.
 
 Statistics are computed in float32 for half-precision inputs (float64 stays float64),
-and saved statistics have the dtype torch's meta kernels give them.
+and saved statistics have the dtype torch's meta kernels give them. Each body is compiled as
+one XLA program (`jax.jit`, non-array arguments static): op by op, its dozen primitives would
+each be dispatched and compiled separately.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 from torch.ops import aten
 
@@ -28,6 +33,8 @@ def _masked(values, output_mask):
 # ---------------------------------------------------------------- batch norm
 
 
+# momentum stays dynamic: nn.BatchNorm with momentum=None passes a new factor every step.
+@functools.partial(jax.jit, static_argnames=("training", "eps"))
 def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps):
     """(output, saved mean, saved inverse std, {running stat: new value})."""
     accumulator = _accumulator(input.dtype)
@@ -120,6 +127,7 @@ def batch_norm_no_update(input, weight, bias, running_mean, running_var, momentu
     return out, mean, inverse_std, _empty_reserve()
 
 
+@functools.partial(jax.jit, static_argnames=("train", "eps", "output_mask"))
 def _batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
     accumulator = _accumulator(input.dtype)
     shape = _channel_shape(input)
@@ -154,7 +162,7 @@ def native_batch_norm_backward(
     grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
 ):
     return _batch_norm_backward(
-        grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask
+        grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, tuple(output_mask)
     )
 
 
@@ -164,7 +172,7 @@ def batch_norm_backward(
 ):
     # save_var holds the inverse standard deviation, as in native_batch_norm_backward.
     return _batch_norm_backward(
-        grad_out, input, weight, running_mean, running_var, save_mean, save_var, update, eps, output_mask
+        grad_out, input, weight, running_mean, running_var, save_mean, save_var, update, eps, tuple(output_mask)
     )
 
 
@@ -177,6 +185,11 @@ def _trailing_axes(input, normalized_shape):
 
 @register_mapping(aten.native_layer_norm.default)
 def native_layer_norm(input, normalized_shape, weight, bias, eps):
+    return _layer_norm(input, tuple(normalized_shape), weight, bias, eps)
+
+
+@functools.partial(jax.jit, static_argnames=("normalized_shape", "eps"))
+def _layer_norm(input, normalized_shape, weight, bias, eps):
     accumulator = _accumulator(input.dtype)
     values = input.astype(accumulator)
     axes = _trailing_axes(input, normalized_shape)
@@ -193,6 +206,11 @@ def native_layer_norm(input, normalized_shape, weight, bias, eps):
 
 @register_mapping(aten.native_layer_norm_backward.default)
 def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
+    return _layer_norm_backward(grad_out, input, tuple(normalized_shape), mean, rstd, weight, bias, tuple(output_mask))
+
+
+@functools.partial(jax.jit, static_argnames=("normalized_shape", "output_mask"))
+def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
     accumulator = _accumulator(input.dtype)
     axes = _trailing_axes(input, normalized_shape)
     batch_axes = tuple(range(input.ndim - len(normalized_shape)))
@@ -223,6 +241,11 @@ def _grouped(values, batch, group):
 
 @register_mapping(aten.native_group_norm.default)
 def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
+    return _group_norm(input, weight, bias, N, C, HxW, group, eps)
+
+
+@functools.partial(jax.jit, static_argnames=("N", "C", "HxW", "group", "eps"))
+def _group_norm(input, weight, bias, N, C, HxW, group, eps):
     accumulator = _accumulator(input.dtype)
     values = _grouped(input.astype(accumulator), N, group)
     mean = jnp.mean(values, axis=-1)
@@ -239,6 +262,11 @@ def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
 
 @register_mapping(aten.native_group_norm_backward.default)
 def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    return _group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, tuple(output_mask))
+
+
+@functools.partial(jax.jit, static_argnames=("N", "C", "HxW", "group", "output_mask"))
+def _group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
     accumulator = _accumulator(input.dtype)
     grad = grad_out.astype(accumulator).reshape(N, C, HxW)
     values = input.astype(accumulator).reshape(N, C, HxW)
@@ -273,6 +301,11 @@ def _rms_epsilon(accumulator, eps):
 
 @register_mapping(aten._fused_rms_norm.default)
 def fused_rms_norm(input, normalized_shape, weight, eps):
+    return _rms_norm(input, tuple(normalized_shape), weight, eps)
+
+
+@functools.partial(jax.jit, static_argnames=("normalized_shape", "eps"))
+def _rms_norm(input, normalized_shape, weight, eps):
     accumulator = _accumulator(input.dtype)
     values = input.astype(accumulator)
     axes = _trailing_axes(input, normalized_shape)
@@ -285,6 +318,11 @@ def fused_rms_norm(input, normalized_shape, weight, eps):
 
 @register_mapping(aten._fused_rms_norm_backward.default)
 def fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
+    return _rms_norm_backward(grad_out, input, tuple(normalized_shape), rstd, weight, tuple(output_mask))
+
+
+@functools.partial(jax.jit, static_argnames=("normalized_shape", "output_mask"))
+def _rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
     accumulator = _accumulator(input.dtype)
     axes = _trailing_axes(input, normalized_shape)
     batch_axes = tuple(range(input.ndim - len(normalized_shape)))
