@@ -25,6 +25,25 @@ def _is_mask(index):
     return index.dtype == jnp.bool_ or index.dtype == jnp.uint8
 
 
+@functools.partial(jax.jit, static_argnames="size")
+def _sized_nonzero(mask, size):
+    return tuple(positions.astype(_INDEX_DTYPE) for positions in jnp.nonzero(mask, size=size))
+
+
+@jax.jit
+def _count_nonzero(mask):
+    return jnp.count_nonzero(mask)
+
+
+def _nonzero(mask):
+    """Positions of a mask's nonzero elements, per dim: eager only, as their number depends on the data.
+
+    One host read for the count, then one compiled program, rather than jnp.nonzero's
+    dozen primitives each dispatched (and compiled per shape) on its own.
+    """
+    return _sized_nonzero(mask, size=int(_count_nonzero(mask)))
+
+
 def _index_key(indices):
     """The numpy-style key for ATen's list of optional index tensors.
 
@@ -36,10 +55,10 @@ def _index_key(indices):
         if index is None:
             key.append(slice(None))
         elif _is_mask(index):
-            # Data-dependent shape: jnp.nonzero reads the mask on the host, so this
-            # only works eagerly (under jax.jit it raises a concretization error).
+            # Data-dependent shape: the mask is read on the host, so this only works
+            # eagerly (under jax.jit it raises a concretization error).
             # (torch's Python layer turns 0-dim masks into unsqueeze and integer indices before ATen.)
-            key.extend(jnp.nonzero(index.astype(jnp.bool_)))
+            key.extend(_nonzero(index.astype(jnp.bool_)))
         else:
             key.append(index)
     return tuple(key)
@@ -309,7 +328,7 @@ def nonzero(self):
     # Data-dependent shape: eager only.
     if self.ndim == 0:
         return jnp.zeros((int(self.astype(jnp.bool_)), 0), dtype=_INDEX_DTYPE)
-    return jnp.stack(jnp.nonzero(self), axis=1).astype(_INDEX_DTYPE)
+    return jnp.stack(_nonzero(self), axis=1)
 
 
 @register_mapping(aten.nonzero_static.default)
@@ -323,14 +342,14 @@ def nonzero_static(self, *, size, fill_value=-1):
 @register_mapping(aten.where.default)
 def where(condition):
     # Data-dependent shape: eager only.
-    return [positions.astype(_INDEX_DTYPE) for positions in jnp.nonzero(condition)]
+    return list(_nonzero(condition))
 
 
 @register_mapping(aten.masked_select.default)
 def masked_select(self, mask):
     # Data-dependent shape: eager only.
     shape = jnp.broadcast_shapes(self.shape, mask.shape)
-    return jnp.broadcast_to(self, shape)[jnp.broadcast_to(mask, shape)]
+    return jnp.broadcast_to(self, shape)[_nonzero(jnp.broadcast_to(mask, shape))]
 
 
 # ---------------------------------------------------------------- embedding
@@ -474,9 +493,22 @@ def _empty_indices():
     return jnp.zeros((0,), dtype=_INDEX_DTYPE)
 
 
+@jax.jit
+def _count_unique(flat):
+    ordered = jnp.sort(flat)
+    return 1 + jnp.count_nonzero(ordered[1:] != ordered[:-1])
+
+
+@functools.partial(jax.jit, static_argnames="size")
+def _sized_unique(flat, size):
+    # One compiled program once the number of distinct values is known (see _nonzero).
+    return jnp.unique(flat, return_inverse=True, return_counts=True, size=size)
+
+
 @register_mapping(aten._unique2.default)
 def unique(self, sorted=True, return_inverse=False, return_counts=False):
-    values, inverse, counts = jnp.unique(self.reshape(-1), return_inverse=True, return_counts=True)
+    flat = self.reshape(-1)
+    values, inverse, counts = _sized_unique(flat, size=int(_count_unique(flat)) if flat.size else 0)
     return (
         values,
         inverse.reshape(self.shape).astype(_INDEX_DTYPE) if return_inverse else _empty_indices(),
@@ -500,7 +532,7 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
         dim = wrap_dim(dim, self.ndim)
         rows = jnp.moveaxis(self, dim, 0).reshape(self.shape[dim], -1)
     starts = jnp.concatenate([jnp.ones((min(rows.shape[0], 1),), dtype=jnp.bool_), jnp.any(rows[1:] != rows[:-1], axis=1)])
-    kept = jnp.nonzero(starts)[0]
+    kept = _nonzero(starts)[0]
     if dim is None:
         values = self.reshape(-1)[kept]
     else:
