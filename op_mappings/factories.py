@@ -194,6 +194,8 @@ def lift_fresh(self):
 @register_mapping(aten._local_scalar_dense.default)
 def local_scalar_dense(self):
     # `.item()`: a host sync by definition, so the one entry that is not traceable on purpose.
+    # torch allows it on any one-element tensor, not only 0-dim ones.
+    self = self.reshape(())
     if self.dtype == jnp.bool_:
         return bool(self)
     if jnp.issubdtype(self.dtype, jnp.integer):

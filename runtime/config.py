@@ -1,5 +1,7 @@
 """Process-wide settings of the runtime, set by activation and read on the hot path."""
 
+import os
+
 import torch
 
 
@@ -12,6 +14,8 @@ class Settings:
         self.check_signatures = True
         # JAX platform that 'cuda' names ('cpu', 'gpu', 'tpu'); None until activation picks one.
         self.platform = None
+        # Run each table entry as one compiled XLA call (runtime/compiled_ops.py).
+        self.compile_ops = os.environ.get("BRIDGE_COMPILE_OPS", "1") != "0"
         # The name scripts see for bridge devices.
         self.device_type = "cuda"
 

@@ -12,6 +12,7 @@ import torch
 import torch._decomp
 
 from . import devices, random, stats
+from .compiled_ops import CompiledEntry
 from .callsite import user_call_site, warn_at_user_site
 from .config import settings
 from .errors import CPUFallbackWarning, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
@@ -318,7 +319,7 @@ def _precheck(func, args, kwargs):
 
 
 def _mapped_plan(func, mapping):
-    call = mapping.call
+    call = CompiledEntry(func, mapping.call)
     rng = mapping.rng
     mutating = bool(mapping.mutates)
 
@@ -334,7 +335,7 @@ def _mapped_plan(func, mapping):
         if rng:
             keywords["key"] = random.next_key()
         try:
-            out = call(*values, **keywords)
+            out = call(values, keywords)
         except Exception as error:
             raise type(error)(f"{error}\n(bridge mapping of {func}, called at {user_call_site()})") from error
         if mutating:
