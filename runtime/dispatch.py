@@ -276,6 +276,9 @@ def _functional_counterpart(func):
         same_name = getattr(packet, func._overloadname, None) if packet is not None else None
         if same_name is not None and not _out_arguments(same_name._schema):
             return same_name
+        functional_packet = getattr(aten, base_name[:-1] + "_functional", None)  # normal_ -> normal_functional
+        if functional_packet is not None:
+            packet = functional_packet
     elif outs:
         packet = getattr(aten, base_name, None)
     else:

@@ -213,12 +213,6 @@ def test_dropout_and_uniform_initializer_through_bridge(bridged):
     assert torch.equal(nn.Dropout(0.4).eval()(input).detach().cpu(), input.detach().cpu())
 
 
-@pytest.mark.xfail(
-    reason="runtime.dispatch finds no functional counterpart for `normal_.default` (it is the separate packet "
-    "`aten.normal_functional`, not an overload of `aten.normal`), so normal_ goes to torch's decomposition, "
-    "which recurses through prims.normal and the device patch of torch.empty_strided",
-    strict=False,
-)
 def test_normal_initializer_through_bridge(bridged):
     torch.manual_seed(0)
     weight = torch.empty(100, 100, device="cuda")
