@@ -1,0 +1,387 @@
+"""PyTorch's ModuleInfo database run through the bridge against eager torch on the CPU: every module's
+forward (outputs and buffers) and backward (input and parameter gradients), in train and eval mode."""
+
+import copy
+import time
+import warnings
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import expected_failures, harness
+from .harness import BACKWARD, FORWARD, Record
+from .opinfo import _decorator_kind, dtype_name
+
+DTYPES = (torch.float32, torch.float64)
+MODES = ("train", "eval")
+QUICK_BUDGET = 30.0
+FULL_BUDGET = 180.0
+SEED = 1234
+OTHER_SEED = 4321
+
+# torch's own tests whose metadata applies: test_cpu_gpu_parity is torch's device-against-CPU
+# comparison of forward and backward; test_forward and test_grad check each alone.
+FORWARD_TESTS = (("TestModule", "test_cpu_gpu_parity"), ("TestModule", "test_forward"))
+BACKWARD_TESTS = (("TestModule", "test_cpu_gpu_parity"), ("TestModule", "test_grad"))
+DEVICE_TYPES = (None, "cpu")
+
+
+def load_database():
+    from torch.testing._internal.common_modules import module_db
+
+    return module_db
+
+
+def select(database, only=None):
+    if not only:
+        return list(database)
+    wanted = set(only)
+    return [info for info in database if info.name in wanted or info.name.removeprefix("nn.") in wanted]
+
+
+def database_verdict(info, dtype, phase, training):
+    """(skip reason or None, xfail?) from the entry's own metadata for this dtype and phase."""
+    tests = FORWARD_TESTS if phase == FORWARD else BACKWARD_TESTS
+    skip_reason, xfail = None, False
+    for decorate in info.decorators:
+        if not hasattr(decorate, "is_active") or decorate.device_type not in DEVICE_TYPES:
+            continue
+        if not any(_is_active(decorate, cls_name, test_name, dtype, training) for cls_name, test_name in tests):
+            continue
+        for decorator in decorate.decorators:
+            kind = _decorator_kind(decorator)
+            if kind is None:
+                continue
+            if kind[0] == "skip" and skip_reason is None:
+                skip_reason = kind[1]
+            elif kind[0] == "xfail":
+                xfail = True
+    return skip_reason, xfail
+
+
+def _is_active(decorate, cls_name, test_name, dtype, training):
+    try:
+        return decorate.is_active(cls_name, test_name, decorate.device_type or "cpu", dtype, {"training": training})
+    except Exception:  # noqa: BLE001 - an active_if needing parameters we do not have
+        return False
+
+
+def tolerance(info, dtype):
+    found = None
+    for decorate in info.decorators:
+        if not hasattr(decorate, "is_active") or decorate.device_type not in (None, "cpu", "cuda"):
+            continue
+        if decorate.cls_name not in (None, "TestModule") or (decorate.dtypes is not None and dtype not in decorate.dtypes):
+            continue
+        if decorate.test_name not in (None, "test_forward", "test_cpu_gpu_parity", "test_grad"):
+            continue
+        for decorator in decorate.decorators:
+            kind = _decorator_kind(decorator)
+            if kind is None or kind[0] != "tolerance" or dtype not in kind[1]:
+                continue
+            rtol, atol = kind[1][dtype]
+            found = (rtol, atol) if found is None else (max(found[0], rtol), max(found[1], atol))
+    if found is None:
+        return None
+    from torch.testing._comparison import default_tolerances
+
+    default_rtol, default_atol = default_tolerances(dtype)
+    return (max(found[0], default_rtol), max(found[1], default_atol))
+
+
+# ---------------------------------------------------------------- one sample
+
+
+class _Sample:
+    """One module input: builds the CPU module and bridge copies of it, runs both."""
+
+    def __init__(self, info, module_input, dtype, training):
+        self.info = info
+        self.training = training
+        constructor = module_input.constructor_input
+        self.forward_args = module_input.forward_input.args
+        self.forward_kwargs = module_input.forward_input.kwargs
+        self.lazy = issubclass(info.module_cls, torch.nn.modules.lazy.LazyModuleMixin)
+        torch.manual_seed(SEED)
+        self.cpu_module = info.module_cls(*constructor.args, **constructor.kwargs).to(dtype)
+        self.cpu_module.train(training)
+        self.template = copy.deepcopy(self.cpu_module)  # before lazy initialization
+        if self.lazy:
+            with torch.no_grad():
+                self.cpu_module(*self.forward_args, **self.forward_kwargs)
+        self.initialized = copy.deepcopy(self.cpu_module)
+
+    def leaves(self):
+        found, seen = [], set()
+        for value in pytree.tree_leaves((self.forward_args, self.forward_kwargs)):
+            if isinstance(value, torch.Tensor) and value.requires_grad and id(value) not in seen:
+                seen.add(id(value))
+                found.append(value)
+        return found
+
+    def run_cpu(self):
+        torch.manual_seed(SEED)
+        return self.cpu_module(*self.forward_args, **self.forward_kwargs)
+
+    def bridge_module(self):
+        module = copy.deepcopy(self.template).to(harness.BRIDGE_DEVICE)
+        if self.lazy:
+            arguments = harness.to_bridge((self.forward_args, self.forward_kwargs))
+            with torch.no_grad():
+                module(*arguments[0], **arguments[1])
+            with torch.no_grad():
+                for mine, theirs in zip(module.parameters(), self.initialized.parameters()):
+                    mine.copy_(theirs)
+                for mine, theirs in zip(module.buffers(), self.initialized.buffers()):
+                    mine.copy_(theirs)
+        return module
+
+    def run_bridge(self, seed=SEED):
+        """(module, outputs, memo of input copies)."""
+        module = self.bridge_module()
+        memo = {}
+        args, kwargs = harness.to_bridge((self.forward_args, self.forward_kwargs), memo, keep_grad=True)
+        torch.manual_seed(seed)
+        return module, module(*args, **kwargs), memo
+
+
+def _buffers(module):
+    return {name: buffer.detach() for name, buffer in module.named_buffers()}
+
+
+def _grads(module, outputs, leaves, memo, cotangents, positions):
+    """Gradients of the chosen outputs against the inputs and the parameters."""
+    parameters = [parameter for parameter in module.parameters() if parameter.requires_grad]
+    inputs = [memo[id(leaf)] for leaf in leaves] if memo is not None else leaves
+    targets = inputs + parameters
+    chosen = []
+    for position in positions:
+        value = outputs[position]
+        if not isinstance(value, torch.Tensor) or not value.requires_grad:
+            raise _GraphLost(f"output {position} does not require grad (the autograd graph was lost)")
+        chosen.append(value)
+    if not targets:
+        return []
+    grads = torch.autograd.grad(chosen, targets, cotangents, allow_unused=True)
+    return [torch.zeros_like(target) if grad is None else grad for grad, target in zip(grads, targets)]
+
+
+class _GraphLost(AssertionError):
+    pass
+
+
+def _check(phase_result, function):
+    """Run one comparison into phase_result [ok, kind, detail]; returns True when it passed."""
+    try:
+        function()
+        return True
+    except harness.SampleTimeout:
+        raise
+    except _GraphLost as error:
+        phase_result[:] = [False, "graph", str(error)]
+    except harness.NotOnBridge as error:
+        phase_result[:] = [False, "device", str(error)]
+    except AssertionError as error:
+        phase_result[:] = [False, harness.classify_mismatch(error), harness.mismatch_summary(error)]
+    except Exception as error:  # noqa: BLE001
+        phase_result[:] = [False, "error", harness.first_line(error)]
+    return False
+
+
+def _run_sample(info, module_input, dtype, training):
+    """{phase: [ok, kind, detail, random]} for one module input, or None if torch itself fails it."""
+    try:
+        sample = _Sample(info, module_input, dtype, training)
+        expected_outputs = sample.run_cpu()
+        expected_buffers = _buffers(sample.cpu_module)
+        leaves = sample.leaves()
+        outputs = pytree.tree_leaves(expected_outputs)
+        positions = [
+            position
+            for position, value in enumerate(outputs)
+            if isinstance(value, torch.Tensor) and value.requires_grad and (value.is_floating_point() or value.is_complex())
+        ]
+        generator = torch.Generator().manual_seed(SEED)
+        cotangents = [torch.randn(outputs[p].shape, dtype=outputs[p].dtype, generator=generator) for p in positions]
+        expected_grads = _grads(sample.cpu_module, outputs, leaves, None, cotangents, positions) if positions else None
+    except Exception:  # noqa: BLE001 - torch itself cannot run this input
+        return None
+    tol = tolerance(info, dtype)
+    forward = [True, "", ""]
+    backward = [True, "", ""]
+    random = [False]
+    state = {}
+
+    def run(seed=SEED):
+        """Bridge outputs; the module, input copies and outputs of the run are kept for backward."""
+        module, result, memo = sample.run_bridge(seed)
+        state.update(module=module, memo=memo, outputs=result)
+        return result
+
+    def forward_check():
+        got = harness.to_cpu((run(), _buffers(state["module"])))
+        try:
+            harness.compare(got, (expected_outputs, expected_buffers), tol)
+        except AssertionError:
+            if not training:
+                raise
+            # Train mode may draw random numbers (dropout): a result that changes with the seed
+            # is checked for shape, dtype and reproducibility instead.
+            first = dict(state)
+            other = harness.to_cpu(run(OTHER_SEED))
+            try:
+                harness.compare_exact(other, got[0])
+            except AssertionError:
+                random[0] = True
+                harness.compare_structure(got, (expected_outputs, expected_buffers))
+                harness.compare_exact(harness.to_cpu(run(SEED)), got[0])
+                return
+            state.update(first)
+            raise
+
+    def backward_check():
+        bridge_outputs = pytree.tree_leaves(state["outputs"])
+        bridge_cotangents = [cotangent.to(harness.BRIDGE_DEVICE) for cotangent in cotangents]
+        got = harness.to_cpu(_grads(state["module"], bridge_outputs, leaves, state["memo"], bridge_cotangents, positions))
+        if random[0]:
+            harness.compare_structure(got, expected_grads)
+        else:
+            harness.compare(got, expected_grads, tol)
+
+    ops = {}
+    counting = harness.Counting()
+    with counting:
+        _check(forward, forward_check)
+    harness.merge_ops(ops, counting.ops)
+    result = {FORWARD: forward + [random[0], counting.fallbacks]}
+    if expected_grads is not None:
+        counting = harness.Counting()
+        if "outputs" not in state:
+            backward = [False, forward[1], "forward failed: " + forward[2]]
+        else:
+            with counting:
+                _check(backward, backward_check)
+        harness.merge_ops(ops, counting.ops)
+        result[BACKWARD] = backward + [random[0], counting.fallbacks]
+    result["ops"] = ops
+    return result
+
+
+# ---------------------------------------------------------------- one module
+
+
+def entry_name(info, training):
+    return f"{info.name}.{'train' if training else 'eval'}"
+
+
+def run_entry(info, quick=False, budget=None, dtypes=DTYPES):
+    """Records of one module: forward and backward per dtype, in train and eval mode."""
+    budget = budget if budget is not None else (QUICK_BUDGET if quick else FULL_BUDGET)
+    deadline = time.perf_counter() + budget
+    records = []
+    ops = {}
+    for training in (True, False):
+        for dtype in dtypes:
+            if dtype not in info.dtypes:
+                continue
+            records.extend(_run_dtype(info, dtype, training, quick, deadline, ops))
+    return records, ops
+
+
+def _run_dtype(info, dtype, training, quick, deadline, ops):
+    name = entry_name(info, training)
+    records = {phase: Record("moduleinfo", name, dtype_name(dtype), phase, harness.PASS) for phase in (FORWARD, BACKWARD)}
+    failures = {}
+    fallbacks = {FORWARD: set(), BACKWARD: set()}
+    started = time.perf_counter()
+    timed_out = False
+    skipped = {}
+    for phase in (FORWARD, BACKWARD):
+        reason, _ = database_verdict(info, dtype, phase, training)
+        if reason is not None:
+            skipped[phase] = reason
+    if time.perf_counter() >= deadline:
+        timed_out = True
+    elif len(skipped) < 2:
+        torch.manual_seed(0)
+        try:
+            with harness.time_limit(deadline - time.perf_counter()):
+                inputs = info.module_inputs_func(info, device="cpu", dtype=dtype, requires_grad=True, training=training)
+                for module_input in inputs:
+                    if module_input.forward_input is None:
+                        continue
+                    result = _run_sample(info, module_input, dtype, training)
+                    if result is None:
+                        continue
+                    for op, (rung, clean) in result.pop("ops").items():
+                        harness.merge_ops(ops, {op: (rung, clean)})
+                    for phase, (ok, kind, detail, random, fallback) in result.items():
+                        record = records[phase]
+                        record.samples += 1
+                        record.random = record.random or random
+                        fallbacks[phase].update(fallback)
+                        if ok:
+                            record.passed += 1
+                        elif phase not in failures:
+                            failures[phase] = (kind, detail)
+                    if quick:
+                        break
+        except harness.SampleTimeout:
+            timed_out = True
+        except Exception as error:  # noqa: BLE001 - the database's input generator failed
+            for record in records.values():
+                if record.samples == 0:
+                    record.status, record.detail = harness.NO_SAMPLES, "input generation failed: " + harness.first_line(error)
+    seconds = round(time.perf_counter() - started, 3)
+    out = []
+    for phase, record in records.items():
+        record.seconds = seconds
+        record.cpu_fallback = sorted(fallbacks[phase])
+        if phase in skipped:
+            record.status, record.detail = harness.OPINFO_SKIP, skipped[phase]
+        elif timed_out:
+            record.status, record.detail = harness.TIMEOUT, f"ran past the module's time budget after {record.samples} inputs"
+        elif record.status == harness.NO_SAMPLES:
+            pass
+        elif record.samples == 0:
+            record.status, record.detail = harness.NO_SAMPLES, "no input that torch itself runs"
+        else:
+            _resolve(info, record, failures.get(phase), dtype, phase, training, quick)
+        out.append(record)
+    return out
+
+
+def _resolve(info, record, failure, dtype, phase, training, quick):
+    listed = expected_failures.lookup(expected_failures.MODULEINFO, record.entry, dtype, phase, quick)
+    if listed is None:
+        listed = expected_failures.lookup(expected_failures.MODULEINFO, info.name, dtype, phase, quick)
+    if failure is not None:
+        record.kind, record.detail = failure
+        if listed is not None:
+            record.status, record.detail = harness.EXPECTED_FAILURE, f"{listed.reason} (observed: {failure[1]})"
+        elif database_verdict(info, dtype, phase, training)[1]:
+            record.status = harness.OPINFO_EXPECTED_FAILURE
+        else:
+            record.status = harness.FAIL
+    elif listed is not None:
+        record.status, record.detail = harness.UNEXPECTED_PASS, f"listed as failing: {listed.reason}"
+
+
+def sweep(only=None, quick=False, progress=None, budget=None):
+    """Run every selected module. Returns (records, ops by module, seconds, modules over budget)."""
+    database = select(load_database(), only)
+    harness.activate()
+    started = time.perf_counter()
+    records, ops_by_entry, over_budget = [], {}, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for position, info in enumerate(database):
+            entry_started = time.perf_counter()
+            entry_records, entry_ops = run_entry(info, quick=quick, budget=budget)
+            records.extend(entry_records)
+            ops_by_entry[info.name] = entry_ops
+            if any(record.status == harness.TIMEOUT for record in entry_records):
+                over_budget.append(info.name)
+            if progress is not None:
+                progress(position, len(database), info, entry_records, time.perf_counter() - entry_started)
+    return records, ops_by_entry, time.perf_counter() - started, over_budget

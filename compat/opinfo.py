@@ -1,0 +1,503 @@
+"""PyTorch's OpInfo database run through the bridge against eager torch on the CPU: every entry,
+its sample inputs, forward results for each supported dtype and gradients in float32/float64."""
+
+import time
+import unittest
+import warnings
+
+import torch
+from torch.utils import _pytree as pytree
+
+from . import expected_failures, harness
+from .harness import BACKWARD, FORWARD, Record
+
+DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.int32,
+    torch.bool,
+    torch.complex64,
+)
+GRAD_DTYPES = (torch.float32, torch.float64)
+
+# Per-entry time budgets (seconds) for all its dtypes and both phases together.
+QUICK_BUDGET = 30.0
+FULL_BUDGET = 180.0
+# Samples whose torch reference raises are passed over; quick mode tries this many for one that runs.
+QUICK_ATTEMPTS = 4
+
+SEED = 1234
+OTHER_SEED = 4321
+
+# Entries whose values are draws from a distribution: checked for shape, dtype and
+# reproducibility under torch.manual_seed, not for values.
+RANDOM_ENTRIES = {
+    "bernoulli",
+    "cauchy",
+    "exponential",
+    "geometric",
+    "log_normal",
+    "multinomial",
+    "normal",
+    "normal.in_place",
+    "normal.number_mean",
+    "uniform",
+    "rand_like",
+    "randint",
+    "randint_like",
+    "randn",
+    "randn_like",
+    "nn.functional.dropout",
+    "nn.functional.dropout2d",
+    "nn.functional.dropout3d",
+    "nn.functional.alpha_dropout",
+    "nn.functional.feature_alpha_dropout.with_train",
+    "nn.functional.rrelu",
+    "nn.functional.fractional_max_pool2d",
+    "nn.functional.fractional_max_pool3d",
+    "pca_lowrank",
+    "svd_lowrank",
+}
+# Entries whose results are uninitialized memory: shape and dtype only.
+UNINITIALIZED_ENTRIES = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
+# Entries random for some samples only (a dropout probability argument): a sample whose bridge
+# result changes with the seed is checked as random.
+SOMETIMES_RANDOM_ENTRIES = {"nn.functional.scaled_dot_product_attention", "nn.functional.multi_head_attention_forward"}
+
+# torch tests whose skip/xfail metadata applies to each phase of this sweep. test_compare_cpu is
+# torch's own device-against-CPU comparison; test_variant_consistency_eager's skips mark samples
+# that misbehave in eager mode; test_fn_grad is the first-order gradient test.
+FORWARD_TESTS = (("TestCommon", "test_compare_cpu"),)
+FORWARD_SKIP_ONLY_TESTS = (("TestCommon", "test_variant_consistency_eager"),)
+BACKWARD_TESTS = (("TestBwdGradients", "test_fn_grad"),)
+# Device types whose metadata applies: the reference runs on the CPU.
+DEVICE_TYPES = (None, "cpu")
+
+
+def entry_name(op):
+    return f"{op.name}.{op.variant_test_name}" if op.variant_test_name else op.name
+
+
+def dtype_name(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def load_database():
+    """op_db, imported lazily (importing it takes seconds)."""
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return op_db
+
+
+def select(database, only=None):
+    """Entries whose name or "name.variant" is in `only` (all of them when `only` is empty)."""
+    if not only:
+        return list(database)
+    wanted = set(only)
+    return [op for op in database if op.name in wanted or entry_name(op) in wanted]
+
+
+# ---------------------------------------------------------------- the database's own metadata
+
+
+def _active(info, tests, dtype):
+    if info.device_type not in DEVICE_TYPES:
+        return False
+    for cls_name, test_name in tests:
+        try:
+            if info.is_active(cls_name, test_name, info.device_type or "cpu", dtype, {}):
+                return True
+        except Exception:  # noqa: BLE001 - an active_if that needs test parameters we do not have
+            continue
+    return False
+
+
+def _decorator_kind(decorator):
+    """("skip", reason), ("xfail", None), ("tolerance", {dtype: (rtol, atol)}) or None."""
+    if decorator is unittest.expectedFailure:
+        return ("xfail", None)
+    name = getattr(decorator, "__qualname__", "")
+    if name.startswith("skip") and getattr(decorator, "__closure__", None):
+        for cell in decorator.__closure__:
+            try:
+                value = cell.cell_contents
+            except ValueError:
+                continue
+            if isinstance(value, str):
+                return ("skip", value)
+        return ("skip", "skipped")
+    overrides = getattr(decorator, "d", None)
+    if type(decorator).__name__ == "toleranceOverride" and isinstance(overrides, dict):
+        return ("tolerance", {dtype: (value.rtol, value.atol) for dtype, value in overrides.items()})
+    if type(decorator).__name__ == "precisionOverride" and isinstance(overrides, dict):
+        return ("tolerance", {dtype: (0.0, value) for dtype, value in overrides.items()})
+    return None
+
+
+def database_verdict(op, dtype, phase):
+    """What OpInfo itself says about this entry, dtype and phase: (skip reason or None, xfail?)."""
+    tests = FORWARD_TESTS if phase == FORWARD else BACKWARD_TESTS
+    skip_tests = tests + (FORWARD_SKIP_ONLY_TESTS if phase == FORWARD else ())
+    if phase == FORWARD and _mode(op) != "values":
+        # torch skips comparing values of random entries and of uninitialized memory; this sweep
+        # checks their shapes, dtypes and reproducibility instead.
+        tests = skip_tests = ()
+    skip_reason, xfail = None, False
+    for info in op.decorators:
+        if not hasattr(info, "is_active"):
+            continue
+        for decorator in info.decorators:
+            kind = _decorator_kind(decorator)
+            if kind is None:
+                continue
+            if kind[0] == "skip" and skip_reason is None and _active(info, skip_tests, dtype):
+                skip_reason = kind[1]
+            elif kind[0] == "xfail" and _active(info, tests, dtype):
+                xfail = True
+    return skip_reason, xfail
+
+
+def tolerance(op, dtype):
+    """(rtol, atol) from the entry's tolerance overrides for this dtype, at least torch's defaults
+    for the dtype; None when the entry declares none (then assert_close's defaults apply)."""
+    found = None
+    for info in op.decorators:
+        if not hasattr(info, "is_active") or info.device_type not in (None, "cpu", "cuda"):
+            continue
+        if info.dtypes is not None and dtype not in info.dtypes:
+            continue
+        if info.cls_name not in (None, "TestCommon", "TestBwdGradients") or info.active_if is False:
+            continue
+        for decorator in info.decorators:
+            kind = _decorator_kind(decorator)
+            if kind is None or kind[0] != "tolerance" or dtype not in kind[1]:
+                continue
+            rtol, atol = kind[1][dtype]
+            found = (rtol, atol) if found is None else (max(found[0], rtol), max(found[1], atol))
+    if found is None:
+        return None
+    default_rtol, default_atol = _default_tolerance(dtype)
+    return (max(found[0], default_rtol), max(found[1], default_atol))
+
+
+def _default_tolerance(dtype):
+    from torch.testing._comparison import default_tolerances
+
+    return default_tolerances(dtype)
+
+
+# ---------------------------------------------------------------- one sample
+
+
+class _Outcome:
+    """The result of one sample: compared (ok or not), or not counted (torch's reference raised)."""
+
+    __slots__ = ("counted", "ok", "kind", "detail", "fallbacks", "ops", "random")
+
+    def __init__(self, counted=True, ok=True, kind="", detail="", random=False):
+        self.counted, self.ok, self.kind, self.detail, self.random = counted, ok, kind, detail, random
+        self.fallbacks = []
+        self.ops = {}
+
+
+def _not_counted():
+    return _Outcome(counted=False)
+
+
+def _seeded(seed, function):
+    torch.manual_seed(seed)
+    return function()
+
+
+def _bridge_arguments(sample, keep_grad=False, memo=None):
+    memo = {} if memo is None else memo
+    moved_input, moved_args, moved_kwargs = harness.to_bridge((sample.input, sample.args, sample.kwargs), memo, keep_grad)
+    return moved_input, moved_args, harness.bridge_kwargs(moved_kwargs), memo
+
+
+def _forward_sample(op, sample, dtype, mode):
+    """mode: "values", "random", "uninitialized" or "sometimes_random"."""
+    first = _bridge_arguments(sample)
+    second = _bridge_arguments(sample) if mode != "values" else None
+    try:
+        expected = sample.output_process_fn_grad(op(sample.input, *sample.args, **sample.kwargs))
+    except Exception:  # noqa: BLE001 - torch itself rejects the sample: not ours to compare
+        return _not_counted()
+
+    def run(arguments, seed=SEED):
+        moved_input, moved_args, moved_kwargs, _ = arguments
+        function = harness.patched(op.op)
+        return _seeded(
+            seed, lambda: harness.to_cpu(sample.output_process_fn_grad(function(moved_input, *moved_args, **moved_kwargs)))
+        )
+
+    outcome = _Outcome(random=mode in ("random", "uninitialized"))
+    counting = harness.Counting()
+    with counting:
+        _compare_forward(outcome, run, first, second, expected, op, dtype, mode)
+    outcome.fallbacks, outcome.ops = counting.fallbacks, counting.ops
+    return outcome
+
+
+def _compare_forward(outcome, run, first, second, expected, op, dtype, mode):
+    try:
+        actual = run(first)
+        if mode == "values":
+            harness.compare(actual, expected, tolerance(op, dtype))
+        elif mode == "uninitialized":
+            harness.compare_structure(actual, expected)
+        elif mode == "random":
+            harness.compare_structure(actual, expected)
+            try:
+                harness.compare_exact(run(second), actual)
+            except AssertionError as error:
+                outcome.ok, outcome.kind = False, "reproducibility"
+                outcome.detail = "not reproducible under torch.manual_seed: " + harness.mismatch_summary(error)
+        else:
+            _sometimes_random(actual, expected, second, run, op, dtype, outcome)
+    except harness.SampleTimeout:
+        raise
+    except harness.NotOnBridge as error:
+        outcome.ok, outcome.kind, outcome.detail = False, "device", str(error)
+    except AssertionError as error:
+        outcome.ok, outcome.kind, outcome.detail = False, harness.classify_mismatch(error), harness.mismatch_summary(error)
+    except Exception as error:  # noqa: BLE001 - any error of the bridge is this sample's failure
+        outcome.ok, outcome.kind, outcome.detail = False, "error", harness.first_line(error)
+
+
+def _sometimes_random(actual, expected, second, run, op, dtype, outcome):
+    try:
+        harness.compare(actual, expected, tolerance(op, dtype))
+        return
+    except AssertionError:
+        pass
+    other = run(second, OTHER_SEED)
+    try:
+        harness.compare_exact(other, actual)
+    except AssertionError:
+        # The result depends on the seed: a random sample (dropout). Check it as one.
+        outcome.random = True
+        harness.compare_structure(actual, expected)
+        harness.compare_exact(run(second), actual)
+        return
+    harness.compare(actual, expected, tolerance(op, dtype))
+
+
+def _differentiable_positions(leaves):
+    return [
+        position
+        for position, leaf in enumerate(leaves)
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad and (leaf.is_floating_point() or leaf.is_complex())
+    ]
+
+
+def _backward_sample(op, sample, dtype, mode):
+    """Backward a fixed random cotangent through the differentiable outputs; compare input grads."""
+    leaves, seen = [], set()
+    for value in pytree.tree_leaves((sample.input, sample.args, sample.kwargs)):
+        if isinstance(value, torch.Tensor) and value.requires_grad and id(value) not in seen:
+            seen.add(id(value))
+            leaves.append(value)
+    if not leaves:
+        return _not_counted()
+
+    def function(*args, **kwargs):
+        return op.gradcheck_wrapper(op.op, *args, **kwargs)
+
+    def bridge_function(*args, **kwargs):
+        return op.gradcheck_wrapper(harness.patched(op.op), *args, **kwargs)
+
+    first = _bridge_arguments(sample, keep_grad=True)
+    second = _bridge_arguments(sample, keep_grad=True) if mode != "values" else None
+    try:
+        outputs = pytree.tree_leaves(sample.output_process_fn_grad(function(sample.input, *sample.args, **sample.kwargs)))
+        positions = _differentiable_positions(outputs)
+        if not positions:
+            return _not_counted()
+        generator = torch.Generator().manual_seed(SEED)
+        cotangents = [torch.randn(outputs[p].shape, dtype=outputs[p].dtype, generator=generator) for p in positions]
+        expected = torch.autograd.grad([outputs[p] for p in positions], leaves, cotangents, allow_unused=True)
+        expected = [torch.zeros_like(leaf) if grad is None else grad for grad, leaf in zip(expected, leaves)]
+    except Exception:  # noqa: BLE001 - torch itself cannot differentiate this sample
+        return _not_counted()
+
+    def run(arguments, seed=SEED):
+        moved_input, moved_args, moved_kwargs, memo = arguments
+        torch.manual_seed(seed)
+        bridge_leaves = [memo[id(leaf)] for leaf in leaves]
+        moved_outputs = pytree.tree_leaves(
+            sample.output_process_fn_grad(bridge_function(moved_input, *moved_args, **moved_kwargs))
+        )
+        if len(moved_outputs) != len(outputs):
+            raise AssertionError(f"{len(moved_outputs)} outputs where torch gives {len(outputs)}")
+        chosen = []
+        for position in positions:
+            value = moved_outputs[position]
+            if not isinstance(value, torch.Tensor) or not value.requires_grad:
+                raise _GraphLost(f"output {position} does not require grad on the bridge (the autograd graph was lost)")
+            chosen.append(value)
+        bridge_cotangents = [cotangent.to(harness.BRIDGE_DEVICE) for cotangent in cotangents]
+        grads = torch.autograd.grad(chosen, bridge_leaves, bridge_cotangents, allow_unused=True)
+        return [
+            torch.zeros_like(leaf) if grad is None else harness.to_cpu(grad) for grad, leaf in zip(grads, leaves)
+        ]
+
+    outcome = _Outcome(random=mode in ("random", "uninitialized"))
+    counting = harness.Counting()
+    with counting:
+        _compare_backward(outcome, run, first, second, expected, op, dtype, mode)
+    outcome.fallbacks, outcome.ops = counting.fallbacks, counting.ops
+    return outcome
+
+
+def _compare_backward(outcome, run, first, second, expected, op, dtype, mode):
+    try:
+        actual = run(first)
+        if mode == "values":
+            harness.compare(actual, expected, tolerance(op, dtype))
+        elif mode in ("random", "uninitialized"):
+            harness.compare_structure(actual, expected)
+            if mode == "random":
+                try:
+                    harness.compare_exact(run(second), actual)
+                except AssertionError as error:
+                    outcome.ok, outcome.kind = False, "reproducibility"
+                    outcome.detail = "gradients not reproducible under torch.manual_seed: " + harness.mismatch_summary(error)
+        else:
+            _sometimes_random(actual, expected, second, run, op, dtype, outcome)
+    except harness.SampleTimeout:
+        raise
+    except _GraphLost as error:
+        outcome.ok, outcome.kind, outcome.detail = False, "graph", str(error)
+    except harness.NotOnBridge as error:
+        outcome.ok, outcome.kind, outcome.detail = False, "device", str(error)
+    except AssertionError as error:
+        outcome.ok, outcome.kind, outcome.detail = False, harness.classify_mismatch(error), harness.mismatch_summary(error)
+    except Exception as error:  # noqa: BLE001
+        outcome.ok, outcome.kind, outcome.detail = False, "error", harness.first_line(error)
+
+
+class _GraphLost(AssertionError):
+    pass
+
+
+# ---------------------------------------------------------------- one entry
+
+
+def _mode(op):
+    name = entry_name(op)
+    if name in UNINITIALIZED_ENTRIES:
+        return "uninitialized"
+    if name in RANDOM_ENTRIES or op.name in RANDOM_ENTRIES:
+        return "random"
+    if name in SOMETIMES_RANDOM_ENTRIES:
+        return "sometimes_random"
+    return "values"
+
+
+def _run_phase(op, dtype, phase, quick, deadline, ops_seen):
+    name = entry_name(op)
+    mode = _mode(op)
+    record = Record("opinfo", name, dtype_name(dtype), phase, harness.PASS, random=mode in ("random", "uninitialized"))
+    started = time.perf_counter()
+    skip_reason, database_xfail = database_verdict(op, dtype, phase)
+    if skip_reason is not None:
+        record.status, record.detail = harness.OPINFO_SKIP, skip_reason
+        return record
+    listed = expected_failures.lookup(expected_failures.OPINFO, name, dtype, phase, quick)
+    if time.perf_counter() >= deadline:
+        record.status, record.detail = harness.TIMEOUT, "the entry's time budget was spent before this dtype ran"
+        return record
+    failure = None
+    fallbacks = set()
+    attempts = 0
+    torch.manual_seed(0)  # the same samples run to run, whatever ran before
+    try:
+        with harness.time_limit(deadline - time.perf_counter()):
+            samples = op.sample_inputs("cpu", dtype, requires_grad=(phase == BACKWARD))
+            for sample in samples:
+                attempts += 1
+                if phase == FORWARD:
+                    outcome = _forward_sample(op, sample, dtype, mode)
+                else:
+                    outcome = _backward_sample(op, sample, dtype, mode)
+                if outcome.counted:
+                    record.samples += 1
+                    record.random = record.random or outcome.random
+                    fallbacks.update(outcome.fallbacks)
+                    harness.merge_ops(ops_seen, outcome.ops)
+                    if outcome.ok:
+                        record.passed += 1
+                    elif failure is None:
+                        failure = outcome
+                if quick and (record.samples >= 1 or attempts >= QUICK_ATTEMPTS):
+                    break
+    except harness.SampleTimeout:
+        record.status = harness.TIMEOUT
+        record.detail = f"ran past the entry's time budget after {record.samples} samples"
+    except Exception as error:  # noqa: BLE001 - the database's sample generator itself failed
+        if record.samples == 0:
+            record.status, record.detail = harness.NO_SAMPLES, "sample generation failed: " + harness.first_line(error)
+    record.cpu_fallback = sorted(fallbacks)
+    record.seconds = round(time.perf_counter() - started, 3)
+    if record.status == harness.TIMEOUT:
+        return record
+    if record.samples == 0:
+        if record.status != harness.NO_SAMPLES:
+            record.status, record.detail = harness.NO_SAMPLES, "no sample that torch itself runs"
+        return record
+    if failure is not None:
+        record.kind = failure.kind
+        record.detail = failure.detail
+        if listed is not None:
+            record.status = harness.EXPECTED_FAILURE
+            record.detail = f"{listed.reason} (observed: {failure.detail})"
+        elif database_xfail:
+            record.status = harness.OPINFO_EXPECTED_FAILURE
+        else:
+            record.status = harness.FAIL
+    elif listed is not None:
+        record.status, record.detail = harness.UNEXPECTED_PASS, f"listed as failing: {listed.reason}"
+    return record
+
+
+def run_entry(op, quick=False, budget=None, dtypes=DTYPES):
+    """Records of one OpInfo entry (forward per supported dtype, backward in float32/float64),
+    and the ATen ops it dispatched ({op: rung}) per phase."""
+    budget = budget if budget is not None else (QUICK_BUDGET if quick else FULL_BUDGET)
+    deadline = time.perf_counter() + budget
+    records = []
+    ops = {FORWARD: {}, BACKWARD: {}}
+    supported = op.supported_dtypes("cpu")
+    for dtype in dtypes:
+        if dtype in supported:
+            records.append(_run_phase(op, dtype, FORWARD, quick, deadline, ops[FORWARD]))
+    if op.supports_autograd:
+        backward_supported = op.supported_backward_dtypes("cpu")
+        for dtype in GRAD_DTYPES:
+            if dtype in backward_supported and dtype in dtypes:
+                records.append(_run_phase(op, dtype, BACKWARD, quick, deadline, ops[BACKWARD]))
+    return records, ops
+
+
+def sweep(only=None, quick=False, progress=None, budget=None):
+    """Run every selected entry. Returns (records, ops by entry, seconds, entries over budget)."""
+    database = select(load_database(), only)
+    harness.activate()
+    started = time.perf_counter()
+    records, ops_by_entry, over_budget = [], {}, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for position, op in enumerate(database):
+            entry_started = time.perf_counter()
+            entry_records, entry_ops = run_entry(op, quick=quick, budget=budget)
+            records.extend(entry_records)
+            ops_by_entry[entry_name(op)] = entry_ops
+            if any(record.status == harness.TIMEOUT for record in entry_records):
+                over_budget.append(entry_name(op))
+            if progress is not None:
+                progress(position, len(database), op, entry_records, time.perf_counter() - entry_started)
+    return records, ops_by_entry, time.perf_counter() - started, over_budget
