@@ -39,6 +39,23 @@ def _parser():
     )
     run.add_argument("script", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
+    compare = commands.add_parser(
+        "compare",
+        help="run a script with plain torch and under the bridge, and compare the numbers it prints",
+        description=(
+            "Run SCRIPT twice, as `python SCRIPT ARGS` and as `python -m bridge run SCRIPT ARGS`, and compare "
+            "the numbers on the lines it prints (matched line by line). Exit code 0 when every number agrees "
+            "within the tolerances, 1 otherwise."
+        ),
+    )
+    compare.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance (default 1e-5)")
+    compare.add_argument("--atol", type=float, default=0.0, help="absolute tolerance (default 0)")
+    compare.add_argument(
+        "--match", metavar="REGEX", help="compare only lines matching REGEX (e.g. 'loss'; leave out timings)"
+    )
+    compare.add_argument("--device", choices=DEVICES, default="auto", help="as for `run`")
+    compare.add_argument("script", help="the Python script to run")
+    compare.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     coverage = commands.add_parser(
         "coverage",
         help="measure op coverage against PyTorch's OpInfo/ModuleInfo databases and write the report",
@@ -103,6 +120,12 @@ def main(argv=None):
             strict=options.strict,
             quiet=options.quiet,
             device=options.device,
+        )
+    if options.command == "compare":
+        from bridge.compare import compare_script
+
+        return compare_script(
+            options.script, options.args, rtol=options.rtol, atol=options.atol, match=options.match, device=options.device
         )
     if options.command == "coverage":
         # compat sits above bridge in the layers (it measures bridge's public API); the CLI is

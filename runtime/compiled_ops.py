@@ -93,7 +93,13 @@ class CompiledEntry:
         key = (positional_spec, keyword_spec)
         compiled = self.variants.get(key)
         if compiled is not None:
-            return compiled(arrays)
+            try:
+                return compiled(arrays)
+            except _TRACE_ERRORS:
+                # New array dtypes/shapes retraced into a data-dependent path (a bool mask
+                # where an integer index was compiled): run this op uncompiled from now on.
+                self.enabled = False
+                return self.call(*values, **keywords)
         float_free = _erase_floats(key)
         if len(self.variants) >= MAX_VARIANTS or float_free in self.float_free:
             self.enabled = float_free not in self.float_free  # varying floats: stop compiling

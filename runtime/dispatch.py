@@ -38,6 +38,8 @@ _DATA_DEPENDENT = {
     aten.equal.default,
     aten.is_nonzero.default,
     aten.allclose.default,
+    aten.where.default,
+    aten.repeat_interleave.Tensor,
 }
 
 
@@ -340,7 +342,8 @@ def _mapped_plan(func, mapping):
         try:
             out = call(values, keywords)
         except Exception as error:
-            raise type(error)(f"{error}\n(bridge mapping of {func}, called at {user_call_site()})") from error
+            error.add_note(f"(in the bridge's mapping of {func}, called at {user_call_site()})")
+            raise
         if mutating:
             out, updates = out
         if settings.check_signatures:

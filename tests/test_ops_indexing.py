@@ -458,11 +458,7 @@ INDEXING_FUNCTIONS = {
 }
 
 
-RUNTIME_XFAILS = {
-    # runtime/compiled_ops.py keys compiled variants by static arguments only, so x[mask]
-    # reuses index.Tensor's variant compiled for x[rows] and its retrace (data-dependent) escapes the trace-error guard.
-    "index_mask": "compiled index.Tensor variant reused for a bool mask (runtime/compiled_ops.py)",
-}
+RUNTIME_XFAILS = {}
 
 
 @pytest.mark.parametrize(
