@@ -160,9 +160,16 @@ UNARY_EXACT = [
 ROUNDS_INTERMEDIATES_ON_CPU = {aten.logit.default}
 
 
-# float64 runs the same bodies as float32; it is covered by the binary and promotion tests.
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("op", list(UNARY_FLOAT), ids=str)
+# float64 runs the same bodies as float32 (it is covered by the binary and promotion tests), and
+# bfloat16 goes through the same float32 upcast for every op: a few ops cover it.
+BFLOAT16_SAMPLE = {aten.exp.default, aten.log.default, aten.tanh.default, aten.sigmoid.default, aten.erfinv.default, aten.logit.default}
+
+
+@pytest.mark.parametrize(
+    "op, dtype",
+    [(op, torch.float32) for op in UNARY_FLOAT] + [(op, torch.bfloat16) for op in UNARY_FLOAT if op in BFLOAT16_SAMPLE],
+    ids=str,
+)
 def test_unary_float_math(op, dtype):
     low, high = UNARY_FLOAT[op]
     for shape in shapes_for(dtype):
@@ -271,7 +278,7 @@ def test_binary_promotion(ops):
     checked = 0
     pairs = promotion_pairs()
     if tensor_op not in FULLY_CHECKED:
-        pairs = [pairs[index] for index in (1, 2, 3, 6, 10, 12)]
+        pairs = [pairs[index] for index in (2, 3, 6, 10, 12)]
     for self, other in pairs:
         if tensor_op in (aten.pow.Tensor_Tensor,) and not isinstance(other, float):
             other = other.abs() if isinstance(other, torch.Tensor) and other.dtype != torch.bool else other
@@ -287,11 +294,11 @@ def test_binary_promotion(ops):
             continue
         check(op, self, other)
         checked += 1
-    assert checked >= 3
+    assert checked >= 2
 
 
 # Every promotion pair for a few ops; the others see a sample (promotion is the decorator's, shared by all).
-FULLY_CHECKED = {aten.add.Tensor, aten.div.Tensor, aten.pow.Tensor_Tensor, aten.remainder.Tensor, aten.lt.Tensor}
+FULLY_CHECKED = {aten.add.Tensor, aten.div.Tensor, aten.remainder.Tensor}
 
 
 @pytest.mark.xfail(
@@ -490,7 +497,7 @@ ACTIVATIONS = [
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("entry", ACTIVATIONS, ids=lambda entry: "-".join(map(str, entry[0])))
 def test_activation_and_backward(entry, dtype):
     forward, backward = entry
