@@ -1,6 +1,7 @@
 """Activation and deactivation: settings, the mapping tables, and the patch surfaces."""
 
 import importlib
+import os
 
 import jax
 
@@ -41,6 +42,7 @@ def activate(device="auto", strict=False, check_signatures=True):
         raise ActivationError(f"device={device!r} is not one of {sorted(_PLATFORMS)}")
     # torch's int64 and float64 are real; JAX truncates them to 32 bits without this.
     jax.config.update("jax_enable_x64", True)
+    _use_compilation_cache()
     import op_mappings  # noqa: F401  (registers the tables)
     import torch
 
@@ -61,6 +63,28 @@ def activate(device="auto", strict=False, check_signatures=True):
     _state["patches"] = patches
     _state["active"] = True
     stats.reset()
+
+
+def _use_compilation_cache():
+    """Keep compiled XLA programs on disk, so a script's second run skips compiling.
+
+    BRIDGE_CACHE_DIR chooses the folder (default ~/.cache/bridge/xla); BRIDGE_CACHE_DIR=0
+    turns it off. A cache the script or JAX already configured is left as it is.
+    """
+    folder = os.environ.get("BRIDGE_CACHE_DIR")
+    if folder == "0" or jax.config.jax_compilation_cache_dir:
+        return
+    if folder is None:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        folder = os.path.join(base, "bridge", "xla")
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return  # a read-only home: run without the cache
+    jax.config.update("jax_compilation_cache_dir", folder)
+    # Eager entries compile in milliseconds each; cache them all.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def deactivate():

@@ -40,9 +40,11 @@ def _operand_positions(op, names):
                 chosen.append((position, argument.name))
             continue
         kind = str(argument.type)
+        if kind.startswith("Optional[") and kind.endswith("]"):
+            kind = kind[len("Optional[") : -1]
         if argument.kwarg_only:
             continue
-        if kind.startswith("Tensor") or kind.startswith("Scalar") or kind in ("number", "float", "int"):
+        if kind == "Tensor" or kind in ("Scalar", "number", "float", "int"):
             chosen.append((position, argument.name))
     return tuple(chosen)
 
@@ -60,12 +62,15 @@ def _promoting(body, op, kind, names):
         compute, result = dtypes.elementwise_dtypes(kind, operands)
         compute_jax = dtypes.TORCH_TO_JAX[compute]
         if any(getattr(value, "dtype", compute_jax) != compute_jax for value in operands):
+            # torch first brings every operand to the common dtype (a float64 0-dim tensor
+            # beside bfloat16 is rounded to bfloat16), then computes in the wider compute dtype.
+            common_jax = dtypes.TORCH_TO_JAX[dtypes.result_type(operands)] if compute != result else None
             args = list(args)
             for position, name in positions:
                 if position < len(args):
-                    args[position] = _cast(args[position], compute_jax)
+                    args[position] = _cast(_cast(args[position], common_jax), compute_jax)
                 elif name in kwargs:
-                    kwargs[name] = _cast(kwargs[name], compute_jax)
+                    kwargs[name] = _cast(_cast(kwargs[name], common_jax), compute_jax)
         out = body(*args, **kwargs)
         result_jax = dtypes.TORCH_TO_JAX[result]
         if out.dtype != result_jax:
@@ -76,7 +81,7 @@ def _promoting(body, op, kind, names):
 
 
 def _cast(value, dtype):
-    if hasattr(value, "dtype") and value.dtype != dtype:
+    if dtype is not None and hasattr(value, "dtype") and value.dtype != dtype:
         return value.astype(dtype)
     return value
 

@@ -301,11 +301,6 @@ def test_binary_promotion(ops):
 FULLY_CHECKED = {aten.add.Tensor, aten.div.Tensor, aten.remainder.Tensor}
 
 
-@pytest.mark.xfail(
-    reason="runtime.registry casts operands straight to the compute dtype (float32); torch first rounds "
-    "a higher-precision 0-dim operand to the common dtype (bfloat16), then computes in float32",
-    strict=False,
-)
 @pytest.mark.parametrize("op", [aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor], ids=str)
 def test_zero_dim_operand_rounds_to_common_dtype(op):
     check(op, torch.tensor([5.28125, -4.625, 5.6875], dtype=torch.bfloat16), torch.tensor(-4.931640625, dtype=torch.float64))
