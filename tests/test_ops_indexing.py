@@ -458,12 +458,9 @@ INDEXING_FUNCTIONS = {
 }
 
 
-RUNTIME_XFAILS = {}
-
-
 @pytest.mark.parametrize(
     "name",
-    [pytest.param(name, marks=pytest.mark.xfail(reason=RUNTIME_XFAILS[name])) if name in RUNTIME_XFAILS else name for name in sorted(INDEXING_FUNCTIONS)],
+    sorted(INDEXING_FUNCTIONS),
 )
 def test_gradients_through_bridge(bridged, name):
     through_bridge(INDEXING_FUNCTIONS[name], sample((4, 5)), ROWS, MASK)
