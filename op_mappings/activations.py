@@ -7,9 +7,8 @@ import jax.numpy as jnp
 import torch
 
 from runtime.dtypes import DEFAULT, INT_TO_FLOAT, NO_OPMATH
-from runtime.registry import register_mapping
+from runtime.registry import aten, register_mapping
 
-aten = torch.ops.aten
 
 # Scalar parameters (slopes, thresholds) never take part in promotion: torch keeps the input's dtype.
 SELF = ("self",)

@@ -3,9 +3,8 @@
 import jax.numpy as jnp
 import torch
 
-from runtime.registry import register_mapping
+from runtime.registry import aten, register_mapping
 
-aten = torch.ops.aten
 
 
 @register_mapping(aten._amp_foreach_non_finite_check_and_unscale.default)

@@ -11,10 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from torch.ops import aten
 
 from runtime import config
-from runtime.registry import register_mapping
+from runtime.registry import aten, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -10,9 +10,8 @@ import torch
 
 from runtime import dtypes, registry
 from runtime.dtypes import ALWAYS_BOOL, BOOL_TO_LONG, COMPLEX_TO_FLOAT, DEFAULT, INT_TO_FLOAT, NO_OPMATH
-from runtime.registry import jnp_dtype, register_mapping
+from runtime.registry import aten, jnp_dtype, register_mapping
 
-aten = torch.ops.aten
 
 # Ops whose result is exact in any dtype skip torch's "opmath" upcast of bfloat16/float16 (NO_OPMATH):
 # computing in float32 and rounding back would give the same values at the cost of two casts.

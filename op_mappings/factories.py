@@ -10,9 +10,8 @@ import jax.numpy as jnp
 import torch
 
 from runtime import dtypes
-from runtime.registry import jnp_dtype, register_mapping
+from runtime.registry import aten, jnp_dtype, register_mapping
 
-aten = torch.ops.aten
 
 
 def _default_float():

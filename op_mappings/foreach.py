@@ -8,11 +8,10 @@ reuse the promoted `call`s of the elementwise and reduction tables. The in-place
 import jax.numpy as jnp
 import torch
 
-from runtime.registry import MAPPINGS, jnp_dtype, register_mapping
+from runtime.registry import MAPPINGS, aten, jnp_dtype, register_mapping
 
 from . import elementwise, reductions  # noqa: F401  (their entries are reused below)
 
-aten = torch.ops.aten
 
 
 def _call(op):

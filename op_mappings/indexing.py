@@ -11,11 +11,10 @@ import jax.numpy as jnp
 from jax import lax
 import torch
 
-from runtime.registry import register_mapping
+from runtime.registry import aten, register_mapping
 
 from .shapes import wrap_dim
 
-aten = torch.ops.aten
 
 _INDEX_DTYPE = jnp.int64
 

@@ -5,10 +5,9 @@ float32 products use the precision that torch's matmul setting asks for.
 """
 
 import jax.numpy as jnp
-from torch.ops import aten
 
 from runtime import config
-from runtime.registry import jnp_dtype, register_mapping
+from runtime.registry import aten, jnp_dtype, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -7,10 +7,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from torch.ops import aten
 
 from runtime import dtypes
-from runtime.registry import jnp_dtype, register_mapping
+from runtime.registry import aten, jnp_dtype, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _NONE, _MEAN, _SUM = 0, 1, 2

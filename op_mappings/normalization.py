@@ -10,9 +10,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from torch.ops import aten
 
-from runtime.registry import register_mapping
+from runtime.registry import aten, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

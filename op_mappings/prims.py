@@ -12,9 +12,8 @@ import numpy as np
 import torch
 from jax import lax
 
-from runtime.registry import jnp_dtype, register_mapping
+from runtime.registry import jnp_dtype, prims, register_mapping
 
-prims = torch.ops.prims
 
 _UNARY = {
     "abs": jnp.abs, "acos": jnp.arccos, "acosh": jnp.arccosh, "asin": jnp.arcsin, "asinh": jnp.arcsinh,

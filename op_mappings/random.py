@@ -10,10 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from jax import lax
-from torch.ops import aten
 
 from runtime.dtypes import TORCH_TO_JAX
-from runtime.registry import jnp_dtype, register_mapping
+from runtime.registry import aten, jnp_dtype, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -10,9 +10,8 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from runtime.registry import jnp_dtype, register_mapping
+from runtime.registry import aten, jnp_dtype, register_mapping
 
-aten = torch.ops.aten
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

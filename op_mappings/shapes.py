@@ -11,9 +11,8 @@ from jax import lax
 import torch
 
 from runtime import dtypes
-from runtime.registry import jnp_dtype, register_mapping
+from runtime.registry import aten, jnp_dtype, register_mapping
 
-aten = torch.ops.aten
 
 
 def wrap_dim(dim, ndim):

@@ -10,6 +10,7 @@ that entry bodies are only the computation.
 import dataclasses
 from typing import Callable, Optional
 
+import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
 from . import dtypes
@@ -86,7 +87,72 @@ def _cast(value, dtype):
     return value
 
 
+class MissingOp:
+    """An operator (or overload) the installed torch does not have; registering it does nothing.
+
+    The tables name ops of torch 2.11 to 2.13; an op added in a later version must not
+    stop the tables from loading on an earlier one.
+    """
+
+    def __init__(self, name):
+        self.name = name
+
+    def __getattr__(self, attribute):
+        if attribute.startswith("__"):
+            raise AttributeError(attribute)
+        return MissingOp(f"{self.name}.{attribute}")
+
+    def overloads(self):
+        return []
+
+    def __repr__(self):
+        return f"MissingOp({self.name})"
+
+
+class TolerantPacket:
+    """An `OpOverloadPacket` whose missing overloads are MissingOps."""
+
+    def __init__(self, packet):
+        self.packet = packet
+
+    def __getattr__(self, name):
+        try:
+            return getattr(self.packet, name)
+        except AttributeError:
+            if name.startswith("__"):
+                raise
+            return MissingOp(f"{self.packet._qualified_op_name}.{name}")
+
+    def __repr__(self):
+        return repr(self.packet)
+
+
+class TolerantNamespace:
+    """`torch.ops.aten` for the tables: ops missing from the installed torch are MissingOps."""
+
+    def __init__(self, namespace, name):
+        self._namespace = namespace
+        self._name = name
+
+    def __getattr__(self, name):
+        try:
+            packet = getattr(self._namespace, name)
+        except AttributeError:
+            if name.startswith("__"):
+                raise
+            return MissingOp(f"{self._name}.{name}")
+        return TolerantPacket(packet) if isinstance(packet, OpOverloadPacket) else packet
+
+
+aten = TolerantNamespace(torch.ops.aten, "aten")
+prims = TolerantNamespace(torch.ops.prims, "prims")
+
+
 def _overloads(op):
+    if isinstance(op, TolerantPacket):
+        op = op.packet
+    if isinstance(op, MissingOp):
+        return []
     if isinstance(op, OpOverloadPacket):
         return [getattr(op, name) for name in op.overloads()]
     if isinstance(op, OpOverload):
@@ -113,8 +179,9 @@ def register_mapping(*ops, promote=None, operands=None, rng=False, mutates=(), f
 
     def decorate(body):
         for packet_or_op in ops:
+            is_packet = isinstance(packet_or_op, (OpOverloadPacket, TolerantPacket))
             for op in _overloads(packet_or_op):
-                if isinstance(packet_or_op, OpOverloadPacket) and _is_derived_variant(op) and not mutates:
+                if is_packet and _is_derived_variant(op) and not mutates:
                     continue
                 call = body if promote is None else _promoting(body, op, promote, operands)
                 MAPPINGS[op] = Mapping(
