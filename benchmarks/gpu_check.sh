@@ -12,7 +12,7 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 BRIDGE_CA
   echo "== example: CNN, 20 steps"
   python -m bridge compare --match loss examples/cnn.py --steps 20
   echo "== tests on the GPU backend (parity, semantics, amp, serialization)"
-  JAX_PLATFORMS=cuda python -m pytest -q -p no:cacheprovider tests/test_parity.py tests/test_core_semantics.py tests/test_amp_serialization.py -k "not unmodified_example and not plain_torch" 2>&1 | tail -25
+  JAX_PLATFORMS=cuda python -m pytest -q -p no:cacheprovider tests/test_parity.py tests/test_core_semantics.py tests/test_amp_serialization.py 2>&1 | tail -25
   echo "== eager step time, char GPT (bridge on GPU vs torch CUDA eager)"
   python benchmarks/eager_step.py
 } 2>&1 | tee "$out"
