@@ -24,7 +24,9 @@ def _parser():
             "is the script's own argv."
         ),
     )
-    run.add_argument("--report", metavar="PATH", help="write the run report as JSON to PATH")
+    run.add_argument(
+        "--report", metavar="PATH", help="write the run report to PATH: a self-contained HTML page if PATH ends in .html, else JSON"
+    )
     run.add_argument(
         "--strict",
         action="store_true",

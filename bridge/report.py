@@ -1,5 +1,6 @@
-"""Run reports: the exit summary on stderr and the JSON file."""
+"""Run reports: the exit summary on stderr, and the report file (JSON, or a self-contained HTML page)."""
 
+import html
 import json
 import sys
 
@@ -23,10 +24,73 @@ def summary_text(data=None):
 
 
 def write_report(path):
+    """Write the run report to `path`: an HTML page if it ends in .html, else JSON."""
     data = stats.summary()
     with open(path, "w") as handle:
-        json.dump(data, handle, indent=2)
+        if str(path).lower().endswith((".html", ".htm")):
+            handle.write(html_page(data))
+        else:
+            json.dump(data, handle, indent=2)
     return data
+
+
+def _bar_chart(title, values, unit):
+    """An inline SVG horizontal bar chart of {label: number}."""
+    items = [(label, value) for label, value in values.items() if value]
+    if not items:
+        return f"<h2>{html.escape(title)}</h2><p>nothing recorded</p>"
+    largest = max(value for _, value in items)
+    row, width, label_width = 24, 420, 260
+    bars = []
+    for position, (label, value) in enumerate(items):
+        y = position * row
+        length = max(1, int(width * value / largest))
+        shown = f"{value:.3f} {unit}" if isinstance(value, float) else f"{value} {unit}"
+        bars.append(
+            f'<text x="0" y="{y + 16}">{html.escape(str(label))}</text>'
+            f'<rect x="{label_width}" y="{y + 4}" width="{length}" height="16" class="bar"/>'
+            f'<text x="{label_width + length + 6}" y="{y + 16}">{html.escape(shown)}</text>'
+        )
+    height = row * len(items)
+    return (
+        f"<h2>{html.escape(title)}</h2>"
+        f'<svg width="{label_width + width + 160}" height="{height}" role="img">{"".join(bars)}</svg>'
+    )
+
+
+def html_page(data):
+    """The run report as one self-contained page (inline CSS and SVG, no external assets)."""
+    fallbacks = "".join(
+        f"<tr><td>{html.escape(item['op'])}</td><td>{item['calls']}</td><td><code>{html.escape(item['first_call_site'])}</code></td></tr>"
+        for item in data["cpu_fallbacks"]
+    ) or '<tr><td colspan="3">none</td></tr>'
+    corrections = "".join(
+        f"<li>{html.escape(item['op'])}: {html.escape(item['detail'])}</li>" for item in data["dtype_corrections"]
+    )
+    ops = "".join(
+        f"<tr><td>{html.escape(item['op'])}</td><td>{item['calls']}</td><td>{html.escape(item['rung'])}</td>"
+        f"<td>{html.escape(str(item['family']))}</td><td>{item['host_seconds'] * 1e3:.2f}</td></tr>"
+        for item in data["ops"]
+    )
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>bridge run report</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; color: #222; }}
+table {{ border-collapse: collapse; margin: 1em 0; }} td, th {{ border: 1px solid #ccc; padding: 3px 8px; text-align: left; }}
+svg text {{ font-size: 13px; }} .bar {{ fill: #4878a8; }} code {{ font-size: 12px; }}
+</style></head><body>
+<h1>bridge run report</h1>
+<p>{data['ops_run']} torch ops ran ({data['distinct_ops']} distinct) in {data['wall_seconds']:.1f} s.</p>
+{_bar_chart("Ops by rung of the fallback ladder", data["by_rung"], "calls")}
+{_bar_chart("Host time by op family", data["host_seconds_by_family"], "s")}
+<h2>CPU fallbacks</h2>
+<table><tr><th>op</th><th>calls</th><th>first call site</th></tr>{fallbacks}</table>
+<h2>Graph breaks</h2><p>none: captured execution is not built yet, every op ran eagerly.</p>
+{"<h2>dtype corrections</h2><ul>" + corrections + "</ul>" if corrections else ""}
+<h2>Every op</h2>
+<table><tr><th>op</th><th>calls</th><th>rung</th><th>family</th><th>host ms</th></tr>{ops}</table>
+</body></html>
+"""
 
 
 def finish(report_path=None, quiet=False):

@@ -7,6 +7,8 @@ checked against torch's meta kernel, which gives torch's own error for bad
 input and catches table entries whose shape or dtype disagree with torch.
 """
 
+from time import perf_counter
+
 import jax
 import torch
 import torch._decomp
@@ -48,7 +50,12 @@ def dispatch(func, args, kwargs):
     if plan is None:
         plan = _make_plan(func)
     stats.op_counts[func] += 1
-    return plan(args, kwargs)
+    start = perf_counter()
+    try:
+        return plan(args, kwargs)
+    finally:
+        # Host time, including nested ops of a decomposition (JAX runs asynchronously).
+        stats.op_seconds[func] += perf_counter() - start
 
 
 tensor_module._dispatch = dispatch
@@ -229,6 +236,7 @@ def _make_plan(func):
             plan, rung = _fallback_plan(func), stats.CPU_FALLBACK
     _plans[func] = plan
     stats.op_rung[func] = rung
+    stats.op_family[func] = mapping.family if mapping is not None else None
     return plan
 
 

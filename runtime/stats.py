@@ -10,14 +10,17 @@ CPU_FALLBACK = "cpu_fallback"
 RUNGS = (MAPPED, DERIVED, DECOMPOSED, CPU_FALLBACK)
 
 op_counts = collections.Counter()  # OpOverload -> calls
+op_seconds = collections.Counter()  # OpOverload -> host seconds spent in it
 op_rung = {}  # OpOverload -> rung name
+op_family = {}  # OpOverload -> mapping family (module of op_mappings), None if not mapped
 fallback_sites = {}  # OpOverload -> first user call site
 dtype_corrections = {}  # OpOverload -> message
 started = [time.perf_counter()]
 
 
 def reset():
-    op_counts.clear()  # op_rung stays: it describes cached plans, not this run
+    op_counts.clear()  # op_rung and op_family stay: they describe cached plans, not this run
+    op_seconds.clear()
     fallback_sites.clear()
     dtype_corrections.clear()
     started[0] = time.perf_counter()
@@ -26,11 +29,16 @@ def reset():
 def summary():
     """A plain-data summary (what the JSON report holds)."""
     by_rung = collections.Counter()
+    family_seconds = collections.Counter()
     ops = []
     for op, count in op_counts.most_common():
         rung = op_rung.get(op, MAPPED)
         by_rung[rung] += count
-        ops.append({"op": str(op), "calls": count, "rung": rung})
+        family = op_family.get(op) or rung
+        family_seconds[family] += op_seconds[op]
+        ops.append(
+            {"op": str(op), "calls": count, "rung": rung, "family": family, "host_seconds": round(op_seconds[op], 6)}
+        )
     return {
         "ops_run": sum(op_counts.values()),
         "distinct_ops": len(op_counts),
@@ -39,6 +47,7 @@ def summary():
             {"op": str(op), "calls": op_counts[op], "first_call_site": site} for op, site in fallback_sites.items()
         ],
         "dtype_corrections": [{"op": str(op), "detail": detail} for op, detail in dtype_corrections.items()],
+        "host_seconds_by_family": {family: round(seconds, 6) for family, seconds in family_seconds.most_common()},
         "ops": ops,
         "wall_seconds": time.perf_counter() - started[0],
     }

@@ -84,3 +84,24 @@ def test_missing_script_is_a_clear_error(tmp_path):
     result = run_python("-m", "bridge", "run", str(tmp_path / "nope.py"))
     assert result.returncode == 2
     assert "nope.py" in result.stderr
+
+
+def test_html_report_names_fallbacks_and_draws_charts(tmp_path):
+    script = _script(
+        tmp_path,
+        "import torch\n"
+        "@torch.library.custom_op('reporttest::unmapped', mutates_args=())\n"
+        "def unmapped(x: torch.Tensor) -> torch.Tensor:\n"
+        "    return x + 1\n"
+        "x = torch.ones(4, device='cuda')\n"
+        "print((x * 3).sum().item())\n"
+        "print(unmapped(x).cpu().tolist())\n",
+        name="reporting.py",
+    )
+    report = tmp_path / "run.html"
+    result = run_python("-m", "bridge", "run", "--quiet", "--report", str(report), script)
+    assert result.returncode == 0, result.stderr
+    page = report.read_text()
+    assert page.startswith("<!DOCTYPE html>") and "<svg" in page and "http" not in page.split("<body>")[0]
+    assert "aten.mul.Tensor" in page and "Ops by rung of the fallback ladder" in page
+    assert "reporttest.unmapped.default" in page and "reporting.py:7" in page  # the fallback and its call site
