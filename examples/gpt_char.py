@@ -81,7 +81,7 @@ class GPT(nn.Module):
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--block", type=int, default=32)
     parser.add_argument("--width", type=int, default=64)
