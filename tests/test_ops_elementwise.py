@@ -4,61 +4,18 @@ import jax
 
 jax.config.update("jax_enable_x64", True)
 
-import jax.numpy as jnp  # noqa: E402
-import ml_dtypes  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.testing import make_tensor  # noqa: E402
 
 import op_mappings  # noqa: E402,F401  (registers the tables)
-from runtime.registry import MAPPINGS  # noqa: E402
+from op_testing import run_mapping  # noqa: E402
 
 aten = torch.ops.aten
 
 
 # ---------------------------------------------------------------- harness
-
-
-def to_jax(value):
-    if isinstance(value, torch.Tensor):
-        if value.dtype == torch.bfloat16:
-            return jnp.asarray(value.float().numpy()).astype(jnp.bfloat16)
-        return jnp.asarray(value.numpy())
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_jax(item) for item in value)
-    if isinstance(value, dict):
-        return {key: to_jax(item) for key, item in value.items()}
-    return value
-
-
-def to_torch(value):
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_torch(item) for item in value)
-    array = np.asarray(value)
-    if array.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(array.astype(np.float32)).to(torch.bfloat16)
-    return torch.from_numpy(array.copy())
-
-
-def run_mapping(op, *args, **kwargs):
-    """The mapping of `op` on JAX copies of the arguments, traced under jax.jit.
-
-    Entries must be traceable; tracing checks that, and one compile per call costs less
-    than compiling each primitive eagerly. Python scalars stay static, arrays are traced.
-    """
-    call = MAPPINGS[op].call
-    leaves, tree = jax.tree_util.tree_flatten((to_jax(args), to_jax(kwargs)))
-    dynamic = [position for position, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-
-    def traced(*arrays):
-        filled = list(leaves)
-        for position, array in zip(dynamic, arrays):
-            filled[position] = array
-        arguments, keywords = jax.tree_util.tree_unflatten(tree, filled)
-        return call(*arguments, **keywords)
-
-    return to_torch(jax.jit(traced)(*[leaves[position] for position in dynamic]))
 
 
 def assert_same(actual, expected, **tolerance):

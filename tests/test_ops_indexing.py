@@ -7,57 +7,11 @@ import pytest
 import torch
 
 import op_mappings  # noqa: F401  (registers the tables)
-from runtime import dtypes
 from runtime.registry import MAPPINGS
+from op_testing import run_mapping as run, to_jax, to_torch  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 aten = torch.ops.aten
-
-
-def to_jax(value):
-    if isinstance(value, torch.Tensor):
-        if value.dtype is torch.bfloat16:
-            return jnp.asarray(value.float().numpy()).astype(jnp.bfloat16)
-        return jnp.asarray(value.numpy())
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_jax(item) for item in value)
-    if isinstance(value, dict):
-        return {name: to_jax(item) for name, item in value.items()}
-    return value
-
-
-def to_torch(value):
-    if isinstance(value, jax.Array):
-        dtype = dtypes.to_torch_dtype(value.dtype)
-        if dtype is torch.bfloat16:
-            return torch.from_numpy(np.array(value.astype(jnp.float32))).to(torch.bfloat16)
-        return torch.from_numpy(np.array(value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_torch(item) for item in value)
-    return value
-
-
-def run(op, *args, eager=False, **kwargs):
-    """The mapping of `op` on JAX copies of the arguments, under jax.jit unless `eager`.
-
-    Entries must be traceable, so the test traces them (one compile also costs less
-    than compiling each primitive eagerly); only data-dependent ops run eagerly.
-    """
-    call = MAPPINGS[op].call
-    leaves, tree = jax.tree_util.tree_flatten((to_jax(args), to_jax(kwargs)))
-    if eager:
-        arguments, keywords = jax.tree_util.tree_unflatten(tree, leaves)
-        return to_torch(call(*arguments, **keywords))
-    dynamic = [position for position, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
-
-    def traced(*arrays):
-        filled = list(leaves)
-        for position, array in zip(dynamic, arrays):
-            filled[position] = array
-        arguments, keywords = jax.tree_util.tree_unflatten(tree, filled)
-        return call(*arguments, **keywords)
-
-    return to_torch(jax.jit(traced)(*[leaves[position] for position in dynamic]))
 
 
 def check(op, *args, eager=False, **kwargs):
