@@ -37,7 +37,7 @@ def main():
     model = Model().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     target_weights = torch.randn(32, generator=generator)
-    for step in range(6):
+    for step in range(4):
         x = torch.randn(16, 32, generator=generator)
         y = torch.sin(x @ target_weights / 4).unsqueeze(1)
         loss = F.mse_loss(model(x.to(device)), y.to(device))

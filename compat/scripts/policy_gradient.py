@@ -11,7 +11,7 @@ from torch.distributions import Categorical
 LENGTH = 6  # states 0..5, reward at the right end
 
 
-def run_episode(policy, device, generator=None, max_steps=12):
+def run_episode(policy, device, generator=None, max_steps=10):
     state, log_probs, entropies, rewards = 0, [], [], []
     for _ in range(max_steps):
         observation = torch.zeros(LENGTH)
@@ -39,7 +39,7 @@ def main():
     policy = nn.Sequential(nn.Linear(LENGTH, 16), nn.Tanh(), nn.Linear(16, 2)).to(device)
     optimizer = torch.optim.Adam(policy.parameters(), lr=2e-2)
     gamma = 0.95
-    for episode in range(8):
+    for episode in range(6):
         log_probs, entropies, rewards = run_episode(policy, device, generator)
         returns, running = [], 0.0
         for reward in reversed(rewards):

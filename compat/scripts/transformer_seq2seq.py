@@ -6,7 +6,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-VOCAB, BOS, EOS, LENGTH = 12, 10, 11, 6
+VOCAB, BOS, EOS, LENGTH = 12, 10, 11, 5
 
 
 class Seq2Seq(nn.Module):
@@ -41,9 +41,9 @@ def main():
     generator = torch.Generator().manual_seed(0)
     model = Seq2Seq().to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
-    for step in range(8):
-        source = torch.randint(0, 10, (16, LENGTH), generator=generator)
-        target = torch.cat([torch.full((16, 1), BOS), source.flip(1), torch.full((16, 1), EOS)], dim=1)
+    for step in range(5):
+        source = torch.randint(0, 10, (12, LENGTH), generator=generator)
+        target = torch.cat([torch.full((12, 1), BOS), source.flip(1), torch.full((12, 1), EOS)], dim=1)
         source, target = source.to(device), target.to(device)
         logits = model(source, target[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), target[:, 1:].reshape(-1))
