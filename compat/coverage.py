@@ -159,17 +159,12 @@ def aten_status(op, mappings, observed):
 
 
 def run_sweeps(only=None, quick=False, progress=None, databases=("opinfo", "moduleinfo")):
-    from . import moduleinfo, opinfo
-
+    """Each database's sweep in child processes (see harness.run_sweep_process)."""
     results = {"opinfo": None, "moduleinfo": None}
-    if "opinfo" in databases:
-        records, ops, seconds, over = opinfo.sweep(only=only, quick=quick, progress=progress)
-        if not only or records:
-            results["opinfo"] = {"records": records, "ops": ops, "seconds": seconds, "over_budget": over}
-    if "moduleinfo" in databases:
-        records, ops, seconds, over = moduleinfo.sweep(only=only, quick=quick, progress=progress)
-        if not only or records:
-            results["moduleinfo"] = {"records": records, "ops": ops, "seconds": seconds, "over_budget": over}
+    for database in databases:
+        result = harness.run_sweep_process(f"compat.{database}", quick=quick, only=only, progress=progress)
+        if not only or result["records"]:
+            results[database] = result
     return results
 
 
@@ -252,11 +247,22 @@ def _entry_rows(records):
     for record in records:
         row = rows.setdefault(
             record["entry"],
-            {"entry": record["entry"], FORWARD: {}, BACKWARD: {}, "details": {}, "cpu_fallback": [], "seconds": 0.0, "random": False},
+            {
+                "entry": record["entry"],
+                FORWARD: {},
+                BACKWARD: {},
+                "details": {},
+                "cpu_fallback": [],
+                "fallback_records": [],
+                "seconds": 0.0,
+                "random": False,
+            },
         )
         row[record["phase"]][record["dtype"]] = record["status"]
         if record["status"] != harness.PASS and record["detail"]:
             row["details"][f"{record['dtype']}/{record['phase']}"] = record["detail"]
+        if record["cpu_fallback"]:
+            row["fallback_records"].append(f"{record['dtype']}/{record['phase']}")
         for op in record["cpu_fallback"]:
             if op not in row["cpu_fallback"]:
                 row["cpu_fallback"].append(op)
@@ -337,11 +343,11 @@ def _surface_rows(opinfo_rows_by_entry, opinfo_database, mappings, observed, opi
         else:
             packet = surface.aten_packet(item)
             if packet is not None:
-                statuses = [
-                    aten_status(getattr(packet, name), mappings, observed)
-                    for name in packet.overloads()
-                    if in_dispatcher(getattr(packet, name)) and functional_counterpart(getattr(packet, name)) is None
-                ]
+                overloads = [getattr(packet, name) for name in packet.overloads()]
+                overloads = [overload for overload in overloads if in_dispatcher(overload)]
+                # The functional overloads speak for the packet; an in-place packet (abs_) has only derived ones.
+                functional = [overload for overload in overloads if functional_counterpart(overload) is None]
+                statuses = [aten_status(overload, mappings, observed) for overload in functional or overloads]
                 if statuses:
                     row["evidence"] = f"table (aten.{packet._qualified_op_name.split('::')[-1]}), no OpInfo entry"
                     row["status"] = max(statuses, key=STATUS_ORDER.index) if CPU_FALLBACK in statuses or UNSUPPORTED in statuses else min(statuses, key=STATUS_ORDER.index)
@@ -393,6 +399,8 @@ def build(results, command, quick, only=None, started=None):
 
     from runtime.registry import MAPPINGS
 
+    _load_tables()
+
     report = {
         "title": "bridge coverage report",
         "command": command,
@@ -404,8 +412,8 @@ def build(results, command, quick, only=None, started=None):
         "totals": {},
     }
     observed = _observed_ops(results)
-    opinfo_records = [r.to_json() for r in results["opinfo"]["records"]] if results.get("opinfo") else []
-    module_records = [r.to_json() for r in results["moduleinfo"]["records"]] if results.get("moduleinfo") else []
+    opinfo_records = results["opinfo"]["records"] if results.get("opinfo") else []
+    module_records = results["moduleinfo"]["records"] if results.get("moduleinfo") else []
 
     # Core ATen IR
     core_rows = []
@@ -440,6 +448,10 @@ def build(results, command, quick, only=None, started=None):
         report["totals"]["opinfo"] = opinfo_totals(opinfo_records)
         report["totals"]["opinfo"]["seconds"] = round(results["opinfo"]["seconds"], 1)
         report["totals"]["opinfo"]["over_budget"] = results["opinfo"]["over_budget"]
+        report["totals"]["opinfo"]["crashed"] = results["opinfo"]["crashed"]
+        with_rows = {row["entry"] for row in opinfo_rows}
+        # Entries that support none of the swept dtypes on the CPU: run, with nothing to record.
+        report["totals"]["opinfo"]["no_records"] = sorted(set(results["opinfo"]["ops"]) - with_rows)
         report["opinfo"] = opinfo_rows
         report["opinfo_failure_groups"] = failure_groups(opinfo_records)
         report["opinfo_cpu_fallbacks"] = fallback_groups(opinfo_records)
@@ -447,6 +459,7 @@ def build(results, command, quick, only=None, started=None):
         report["totals"]["moduleinfo"] = moduleinfo_totals(module_records)
         report["totals"]["moduleinfo"]["seconds"] = round(results["moduleinfo"]["seconds"], 1)
         report["totals"]["moduleinfo"]["over_budget"] = results["moduleinfo"]["over_budget"]
+        report["totals"]["moduleinfo"]["crashed"] = results["moduleinfo"]["crashed"]
         report["moduleinfo"] = _entry_rows(module_records)
         report["moduleinfo_failure_groups"] = failure_groups(module_records)
 
@@ -472,6 +485,14 @@ def build(results, command, quick, only=None, started=None):
     if started is not None:
         report["totals"]["report_seconds"] = round(time.perf_counter() - started, 1)
     return report
+
+
+def _load_tables():
+    """Register the mapping tables (what activation does first) without activating the bridge."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    import op_mappings  # noqa: F401
 
 
 def _listed_failures():
@@ -679,6 +700,8 @@ def _parser():
     parser.add_argument("--quick", action="store_true", help="one sample per entry and dtype (every entry is still run)")
     parser.add_argument("--only", action="append", metavar="NAME[,NAME]", help="run only these OpInfo/ModuleInfo entries (debugging)")
     parser.add_argument("--progress", action="store_true", help="print each entry as it finishes")
+    parser.add_argument("--save-results", metavar="PATH", help="also write the sweeps' raw results (records, ops) to PATH")
+    parser.add_argument("--from-results", metavar="PATH", help="build the report from raw results saved earlier instead of sweeping")
     return parser
 
 
@@ -707,13 +730,20 @@ def main(argv=None):
         command += " --only " + ",".join(only)
     started = time.perf_counter()
 
-    def progress(position, count, entry, records, seconds):
-        name = getattr(entry, "name", "")
-        variant = getattr(entry, "variant_test_name", "")
-        bad = [f"{r.dtype}/{r.phase}: {r.status}" for r in records if r.status not in harness.ACCEPTED]
-        print(f"[{position + 1}/{count}] {name}{'.' + variant if variant else ''} {seconds:.1f}s {'; '.join(bad)}", file=sys.stderr, flush=True)
+    def progress(entry, records, seconds):
+        bad = [f"{r['dtype']}/{r['phase']}: {r['status']}" for r in records if r["status"] not in harness.ACCEPTED]
+        print(f"{entry} {seconds:.1f}s {'; '.join(bad)}", file=sys.stderr, flush=True)
 
-    results = run_sweeps(only=only, quick=options.quick, progress=progress if options.progress else None)
+    if options.from_results:
+        with open(options.from_results, encoding="utf-8") as handle:
+            saved = json.load(handle)
+        results, command, only = saved["results"], saved["command"], saved["only"]
+        options.quick = saved["quick"]
+    else:
+        results = run_sweeps(only=only, quick=options.quick, progress=progress if options.progress else None)
+    if options.save_results:
+        with open(options.save_results, "w", encoding="utf-8") as handle:
+            json.dump({"command": command, "quick": options.quick, "only": only, "results": results}, handle)
     report = build(results, command, options.quick, only, started)
     os.makedirs(options.out, exist_ok=True)
     for fmt in formats:

@@ -22,6 +22,12 @@ class ExpectedFailure:
     # False where only samples after the first fail, so that the quick sweep (one sample per
     # entry and dtype) passes and must not call it an unexpected pass.
     quick: bool = True
+    # The kinds of failure this covers ("rounding", "mismatch", "error", ... as the sweep
+    # classifies them); None: any. A failure of another kind is a new failure.
+    kinds: tuple = None
+
+    def covers(self, kinds):
+        return self.kinds is None or set(kinds) <= set(self.kinds)
 
     def applies(self, dtype, phase, quick):
         if self.dtypes is not None and dtype not in self.dtypes:

@@ -86,15 +86,24 @@ class time_limit:
         return False
 
 
+def load_databases():
+    """(op_db, module_db). Building them deep-copies torch functions, which the bridge's patches
+    (wrapt proxies) refuse while active, so the bridge is off while they are first imported."""
+    was_active = bridge.is_active()
+    if was_active:
+        bridge.deactivate()
+    try:
+        from torch.testing._internal.common_methods_invocations import op_db
+        from torch.testing._internal.common_modules import module_db
+    finally:
+        if was_active:
+            bridge.activate()
+    return op_db, module_db
+
+
 def activate():
-    """Activate the bridge for a sweep (idempotent).
-
-    The databases are imported first: building them deep-copies torch functions, which the
-    bridge's patches (wrapt proxies) refuse while active.
-    """
-    import torch.testing._internal.common_methods_invocations  # noqa: F401
-    import torch.testing._internal.common_modules  # noqa: F401
-
+    """Activate the bridge for a sweep (idempotent), the databases imported first."""
+    load_databases()
     bridge.activate()
     _patched.clear()
 
@@ -266,6 +275,39 @@ def compare_exact(first, second):
             torch.testing.assert_close(one, two, rtol=0, atol=0, equal_nan=True)
 
 
+def judge_against_float64(actual, expected, truth):
+    """(kind, note) for a mismatch between the bridge's and torch's results, given the same
+    computation in float64 on the CPU: ("rounding", ...) when the bridge's result is about as close
+    to the float64 one as torch's own (a difference in rounding order, not an error), else
+    ("mismatch", ...); None when the float64 result cannot judge (NaN or infinity where torch has a
+    number, or results of other shapes)."""
+    bridge_error = torch_error = 0.0
+    got_leaves, want_leaves, exact_leaves = (pytree.tree_leaves(tree) for tree in (actual, expected, truth))
+    if not (len(got_leaves) == len(want_leaves) == len(exact_leaves)):
+        return None
+    for got, want, exact in zip(got_leaves, want_leaves, exact_leaves):
+        if not isinstance(want, torch.Tensor) or not (want.is_floating_point() or want.is_complex()):
+            continue
+        if not isinstance(got, torch.Tensor) or not isinstance(exact, torch.Tensor):
+            return None
+        if got.shape != want.shape or exact.shape != want.shape:
+            return None
+        wide = torch.complex128 if want.is_complex() else torch.float64
+        got, want, exact = got.detach().to(wide), want.detach().to(wide), exact.detach().to(wide)
+        if not (torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())):
+            return None
+        finite = exact.isfinite() & want.isfinite()
+        if not torch.equal(got[~finite], want[~finite]):
+            return None
+        if finite.any():
+            bridge_error = max(bridge_error, (got[finite] - exact[finite]).abs().max().item())
+            torch_error = max(torch_error, (want[finite] - exact[finite]).abs().max().item())
+    note = f"error against float64: bridge {bridge_error:.2g}, torch CPU {torch_error:.2g}"
+    if bridge_error <= 2.0 * torch_error + 1e-12:
+        return "rounding", f"rounding: as close to the float64 result as torch's CPU kernel ({note})"
+    return "mismatch", note
+
+
 # ---------------------------------------------------------------- the runtime's counters
 
 
@@ -335,3 +377,174 @@ def merge_ops(target, ops):
     for op, (rung, clean) in ops.items():
         seen = target.setdefault(op, [rung, False])
         seen[1] = seen[1] or clean
+
+
+# ---------------------------------------------------------------- a sweep as a process of its own
+
+
+def sweep_main(module, argv=None):
+    """`python -m compat.opinfo [--quick] [--only A,B] [--entries A,B]`: one database's sweep as
+    JSON lines on stdout: the plan (entry names), then per entry a "start" line, its records and a
+    "done" line with the ATen ops it dispatched, so that a parent process learns which entry was
+    running if this one dies."""
+    import argparse
+    import json
+    import sys
+
+    parser = argparse.ArgumentParser(prog=f"python -m {module.__name__}", description=module.__doc__)
+    parser.add_argument("--quick", action="store_true", help="the first sample per entry and dtype only")
+    parser.add_argument("--only", action="append", metavar="NAME[,NAME]", help="only these entries (a name selects its variants)")
+    parser.add_argument("--entries", metavar="FILE", help="only the entries named in FILE, one per line, exactly")
+    options = parser.parse_args(argv)
+    only = [name.strip() for value in options.only or () for name in value.split(",") if name.strip()] or None
+    exact = None
+    if options.entries:
+        with open(options.entries, encoding="utf-8") as handle:
+            exact = [line.strip() for line in handle if line.strip()]
+    out = sys.stdout
+
+    def write(line):
+        out.write(json.dumps(line) + "\n")
+        out.flush()
+
+    def planned(names):
+        write({"event": "plan", "entries": names})
+
+    def starting(position, count, entry):
+        write({"event": "start", "entry": module.display_name(entry), "planned": module.planned_records(entry)})
+
+    def finished(position, count, entry, records, seconds, ops=None):
+        for record in records:
+            write({"event": "record", **record.to_json()})
+        write({"event": "done", "entry": module.display_name(entry), "seconds": round(seconds, 3), "ops": ops or {}})
+
+    records, _, seconds, over_budget = module.sweep(
+        only=only, exact=exact, quick=options.quick, progress=finished, starting=starting, planned=planned
+    )
+    write({"event": "end", "seconds": round(seconds, 3), "records": len(records), "over_budget": over_budget})
+    return 0
+
+
+def run_sweep_process(module_name, quick=False, only=None, progress=None, idle_timeout=None):
+    """Run one database's sweep in child processes (a crash or a hang in one entry costs that
+    entry, not the sweep). Returns {"records": [dict], "ops": {entry: ops}, "seconds": float,
+    "over_budget": [names], "crashed": [names]}."""
+    import json
+    import os
+    import queue
+    import subprocess
+    import sys
+    import tempfile
+    import threading
+
+    idle_timeout = idle_timeout or 600.0
+    result = {"records": [], "ops": {}, "seconds": 0.0, "over_budget": [], "crashed": []}
+    plan = None
+    done = set()
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment = dict(os.environ)
+    environment["PYTHONPATH"] = repository + os.pathsep + environment.get("PYTHONPATH", "")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as folder:
+        while True:
+            command = [sys.executable, "-m", module_name]
+            if quick:
+                command.append("--quick")
+            if plan is None:
+                if only:
+                    command += ["--only", ",".join(only)]
+            else:
+                remaining = [name for name in plan if name not in done]
+                if not remaining:
+                    break
+                entries_file = os.path.join(folder, "entries.txt")
+                with open(entries_file, "w", encoding="utf-8") as handle:
+                    handle.write("\n".join(remaining))
+                command += ["--entries", entries_file]
+            error_path = os.path.join(folder, "stderr.txt")
+            with open(error_path, "w+", encoding="utf-8") as error_file:
+                child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=error_file, text=True, cwd=repository, env=environment)
+                lines = queue.Queue()
+                threading.Thread(target=lambda: [lines.put(line) for line in child.stdout] + [lines.put(None)], daemon=True).start()
+                running, ended = None, False
+                while True:
+                    try:
+                        line = lines.get(timeout=idle_timeout)
+                    except queue.Empty:
+                        child.kill()
+                        break
+                    if line is None:
+                        break
+                    try:
+                        event = json.loads(line)
+                    except ValueError:
+                        continue  # something the child printed on stdout itself
+                    kind = event.pop("event", None)
+                    if kind == "plan" and plan is None:
+                        plan = event["entries"]
+                    elif kind == "start":
+                        running, planned = event["entry"], event["planned"]
+                        received = set()
+                    elif kind == "record":
+                        result["records"].append(event)
+                        received.add((event["entry"], event["dtype"], event["phase"]))
+                    elif kind == "done":
+                        done.add(event["entry"])
+                        result["ops"][event["entry"]] = event["ops"]
+                        running = None
+                        if progress is not None:
+                            progress(event["entry"], [r for r in result["records"] if _belongs(r, event["entry"])], event["seconds"])
+                    elif kind == "end":
+                        result["over_budget"].extend(event["over_budget"])
+                        ended = True
+                child.wait()
+                error_file.seek(0)
+                error_tail = [line.strip() for line in error_file.read().splitlines() if line.strip()][-1:]
+            if ended:
+                if plan is None or all(name in done for name in plan):
+                    break
+                continue
+            if plan is None or running is None:
+                raise RuntimeError(f"{module_name} sweep process failed before any entry ran: {' '.join(error_tail)}")
+            # The child died (or hung) inside `running`: record that and go on after it.
+            done.add(running)
+            result["crashed"].append(running)
+            how = _death(child.returncode)
+            for entry, dtype, phase in planned:
+                if (entry, dtype, phase) not in received:
+                    result["records"].append(
+                        Record(
+                            module_name.rsplit(".", 1)[-1], entry, dtype, phase, FAIL, kind="crash",
+                            detail=f"the sweep process {how} in this entry: {' '.join(error_tail)}"[:300],
+                        ).to_json()
+                    )
+    result["seconds"] = time.perf_counter() - started
+    return result
+
+
+def _death(returncode):
+    import signal
+
+    if returncode == -signal.SIGKILL:
+        return "stopped answering and was killed"
+    if returncode is not None and returncode < 0:
+        return f"died of {signal.Signals(-returncode).name}"
+    return f"exited with code {returncode}"
+
+
+def _belongs(record, entry):
+    name = record["entry"]
+    return name == entry or name.rsplit(".", 1)[0] == entry and record["database"] == "moduleinfo"
+
+
+def problems(records):
+    """What a test run does not accept in these records: new failures, time-outs, crashes, and
+    listed expected failures that now pass (the list must be kept true)."""
+    found = []
+    for record in records:
+        where = f"{record['entry']} {record['dtype']}/{record['phase']}"
+        if record["status"] == UNEXPECTED_PASS:
+            found.append(f"{where}: unexpectedly passing ({record['detail']}); remove it from compat/expected_failures.py")
+        elif record["status"] not in ACCEPTED:
+            found.append(f"{where}: {record['status']}: {record['detail']}")
+    return found

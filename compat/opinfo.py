@@ -87,13 +87,20 @@ def dtype_name(dtype):
 
 def load_database():
     """op_db, imported lazily (importing it takes seconds)."""
-    from torch.testing._internal.common_methods_invocations import op_db
-
-    return op_db
+    return harness.load_databases()[0]
 
 
-def select(database, only=None):
-    """Entries whose name or "name.variant" is in `only` (all of them when `only` is empty)."""
+def entry_names():
+    """Names of every entry ("name" or "name.variant"), in database order."""
+    return [entry_name(op) for op in harness.load_databases()[0]]
+
+
+def select(database, only=None, exact=None):
+    """Entries whose name or "name.variant" is in `only`, or whose "name.variant" is in `exact`
+    (all of them when neither is given)."""
+    if exact is not None:
+        wanted = set(exact)
+        return [op for op in database if entry_name(op) in wanted]
     if not only:
         return list(database)
     wanted = set(only)
@@ -195,12 +202,13 @@ def _default_tolerance(dtype):
 class _Outcome:
     """The result of one sample: compared (ok or not), or not counted (torch's reference raised)."""
 
-    __slots__ = ("counted", "ok", "kind", "detail", "fallbacks", "ops", "random")
+    __slots__ = ("counted", "ok", "kind", "detail", "fallbacks", "ops", "random", "actual")
 
     def __init__(self, counted=True, ok=True, kind="", detail="", random=False):
         self.counted, self.ok, self.kind, self.detail, self.random = counted, ok, kind, detail, random
         self.fallbacks = []
         self.ops = {}
+        self.actual = None  # the bridge's result, kept to judge a mismatch against float64
 
 
 def _not_counted():
@@ -227,6 +235,10 @@ def _forward_sample(op, sample, dtype, mode):
     except Exception:  # noqa: BLE001 - torch itself rejects the sample: not ours to compare
         return _not_counted()
 
+    if mode == "values" and _ties_unspecified(op, sample):
+        dim = _reduction_dim(op, sample)
+        expected = _TieTolerant(expected, sample.input, dim)
+
     def run(arguments, seed=SEED):
         moved_input, moved_args, moved_kwargs, _ = arguments
         function = harness.patched(op.op)
@@ -239,13 +251,17 @@ def _forward_sample(op, sample, dtype, mode):
     with counting:
         _compare_forward(outcome, run, first, second, expected, op, dtype, mode)
     outcome.fallbacks, outcome.ops = counting.fallbacks, counting.ops
+    if outcome.kind == "mismatch" and mode == "values" and not isinstance(expected, _TieTolerant):
+        _arbitrate(outcome, expected, lambda: _precise_forward(op, sample))
     return outcome
 
 
 def _compare_forward(outcome, run, first, second, expected, op, dtype, mode):
     try:
-        actual = run(first)
-        if mode == "values":
+        actual = outcome.actual = run(first)
+        if isinstance(expected, _TieTolerant):
+            expected.compare(actual, tolerance(op, dtype))
+        elif mode == "values":
             harness.compare(actual, expected, tolerance(op, dtype))
         elif mode == "uninitialized":
             harness.compare_structure(actual, expected)
@@ -266,6 +282,63 @@ def _compare_forward(outcome, run, first, second, expected, op, dtype, mode):
         outcome.ok, outcome.kind, outcome.detail = False, harness.classify_mismatch(error), harness.mismatch_summary(error)
     except Exception as error:  # noqa: BLE001 - any error of the bridge is this sample's failure
         outcome.ok, outcome.kind, outcome.detail = False, "error", harness.first_line(error)
+
+
+# Entries whose index outputs torch documents as unspecified among equal values (sort and argsort
+# unless stable=True, topk, kthvalue): the indices must point at the right values, not at the
+# ones torch's CPU kernel happens to pick.
+TIE_ENTRIES = {"sort": 0, "argsort": 0, "topk": 1, "kthvalue": 1}
+
+
+def _ties_unspecified(op, sample):
+    return (
+        op.name in TIE_ENTRIES
+        and not op.variant_test_name
+        and isinstance(sample.input, torch.Tensor)
+        and sample.input.dim() > 0
+        and not sample.kwargs.get("stable", False)
+    )
+
+
+def _reduction_dim(op, sample):
+    if "dim" in sample.kwargs:
+        return sample.kwargs["dim"]
+    position = TIE_ENTRIES[op.name]
+    if len(sample.args) > position and isinstance(sample.args[position], int) and not isinstance(sample.args[position], bool):
+        return sample.args[position]
+    return -1
+
+
+class _TieTolerant:
+    """torch's result for an op whose indices may differ among equal values."""
+
+    def __init__(self, expected, source, dim):
+        self.expected = expected
+        self.source = source.detach().clone()
+        self.dim = dim
+
+    def _picked(self, indices):
+        if indices.dim() < self.source.dim():
+            indices = indices.unsqueeze(self.dim)
+        return torch.take_along_dim(self.source, indices, dim=self.dim)
+
+    def compare(self, actual, tolerance):
+        if isinstance(self.expected, torch.Tensor):  # argsort: indices only
+            self._compare_indices(actual, self.expected, "output 0")
+            return
+        values, indices = self.expected
+        got_values, got_indices = actual
+        harness.compare(got_values, values, tolerance)
+        self._compare_indices(got_indices, indices, "output 1")
+
+    def _compare_indices(self, got, want, where):
+        if not isinstance(got, torch.Tensor) or got.dtype != want.dtype or got.shape != want.shape:
+            described = f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+            raise AssertionError(f"{where}: indices {described} where torch gives {want.dtype} {tuple(want.shape)}")
+        try:
+            torch.testing.assert_close(self._picked(got), self._picked(want), rtol=0, atol=0, equal_nan=True)
+        except AssertionError as error:
+            raise AssertionError(f"{where}: the indices point at other values: " + harness.mismatch_summary(error)) from None
 
 
 def _sometimes_random(actual, expected, second, run, op, dtype, outcome):
@@ -350,12 +423,14 @@ def _backward_sample(op, sample, dtype, mode):
     with counting:
         _compare_backward(outcome, run, first, second, expected, op, dtype, mode)
     outcome.fallbacks, outcome.ops = counting.fallbacks, counting.ops
+    if outcome.kind == "mismatch" and mode == "values":
+        _arbitrate(outcome, expected, lambda: _precise_backward(function, sample, leaves, positions, cotangents))
     return outcome
 
 
 def _compare_backward(outcome, run, first, second, expected, op, dtype, mode):
     try:
-        actual = run(first)
+        actual = outcome.actual = run(first)
         if mode == "values":
             harness.compare(actual, expected, tolerance(op, dtype))
         elif mode in ("random", "uninitialized"):
@@ -384,120 +459,50 @@ class _GraphLost(AssertionError):
     pass
 
 
-# ---------------------------------------------------------------- one entry
+# ---------------------------------------------------------------- judging a mismatch against float64
 
 
-def _mode(op):
-    name = entry_name(op)
-    if name in UNINITIALIZED_ENTRIES:
-        return "uninitialized"
-    if name in RANDOM_ENTRIES or op.name in RANDOM_ENTRIES:
-        return "random"
-    if name in SOMETIMES_RANDOM_ENTRIES:
-        return "sometimes_random"
-    return "values"
+def _widened(tree):
+    """The sample's floating tensors in float64 (complex in complex128), with their grad flags."""
+    memo = {}
+
+    def widen(value):
+        if not isinstance(value, torch.Tensor):
+            return value
+        if id(value) not in memo:
+            wide = value.detach()
+            if wide.is_floating_point():
+                wide = wide.to(torch.float64)
+            elif wide.is_complex():
+                wide = wide.to(torch.complex128)
+            memo[id(value)] = wide.requires_grad_(value.requires_grad and (wide.is_floating_point() or wide.is_complex()))
+        return memo[id(value)]
+
+    return pytree.tree_map(widen, tree), memo
 
 
-def _run_phase(op, dtype, phase, quick, deadline, ops_seen):
-    name = entry_name(op)
-    mode = _mode(op)
-    record = Record("opinfo", name, dtype_name(dtype), phase, harness.PASS, random=mode in ("random", "uninitialized"))
-    started = time.perf_counter()
-    skip_reason, database_xfail = database_verdict(op, dtype, phase)
-    if skip_reason is not None:
-        record.status, record.detail = harness.OPINFO_SKIP, skip_reason
-        return record
-    listed = expected_failures.lookup(expected_failures.OPINFO, name, dtype, phase, quick)
-    if time.perf_counter() >= deadline:
-        record.status, record.detail = harness.TIMEOUT, "the entry's time budget was spent before this dtype ran"
-        return record
-    failure = None
-    fallbacks = set()
-    attempts = 0
-    torch.manual_seed(0)  # the same samples run to run, whatever ran before
+def _precise_forward(op, sample):
+    (wide_input, wide_args, wide_kwargs), _ = _widened((sample.input, sample.args, sample.kwargs))
+    return sample.output_process_fn_grad(op(wide_input, *wide_args, **wide_kwargs))
+
+
+def _precise_backward(function, sample, leaves, positions, cotangents):
+    (wide_input, wide_args, wide_kwargs), memo = _widened((sample.input, sample.args, sample.kwargs))
+    outputs = pytree.tree_leaves(sample.output_process_fn_grad(function(wide_input, *wide_args, **wide_kwargs)))
+    chosen = [outputs[position] for position in positions]
+    wide_cotangents = [cotangent.to(output.dtype) for cotangent, output in zip(cotangents, chosen)]
+    grads = torch.autograd.grad(chosen, [memo[id(leaf)] for leaf in leaves], wide_cotangents, allow_unused=True)
+    return [torch.zeros_like(memo[id(leaf)]) if grad is None else grad for grad, leaf in zip(grads, leaves)]
+
+
+def _arbitrate(outcome, expected, precise):
+    """Tell rounding from error (see harness.judge_against_float64)."""
     try:
-        with harness.time_limit(deadline - time.perf_counter()):
-            samples = op.sample_inputs("cpu", dtype, requires_grad=(phase == BACKWARD))
-            for sample in samples:
-                attempts += 1
-                if phase == FORWARD:
-                    outcome = _forward_sample(op, sample, dtype, mode)
-                else:
-                    outcome = _backward_sample(op, sample, dtype, mode)
-                if outcome.counted:
-                    record.samples += 1
-                    record.random = record.random or outcome.random
-                    fallbacks.update(outcome.fallbacks)
-                    harness.merge_ops(ops_seen, outcome.ops)
-                    if outcome.ok:
-                        record.passed += 1
-                    elif failure is None:
-                        failure = outcome
-                if quick and (record.samples >= 1 or attempts >= QUICK_ATTEMPTS):
-                    break
-    except harness.SampleTimeout:
-        record.status = harness.TIMEOUT
-        record.detail = f"ran past the entry's time budget after {record.samples} samples"
-    except Exception as error:  # noqa: BLE001 - the database's sample generator itself failed
-        if record.samples == 0:
-            record.status, record.detail = harness.NO_SAMPLES, "sample generation failed: " + harness.first_line(error)
-    record.cpu_fallback = sorted(fallbacks)
-    record.seconds = round(time.perf_counter() - started, 3)
-    if record.status == harness.TIMEOUT:
-        return record
-    if record.samples == 0:
-        if record.status != harness.NO_SAMPLES:
-            record.status, record.detail = harness.NO_SAMPLES, "no sample that torch itself runs"
-        return record
-    if failure is not None:
-        record.kind = failure.kind
-        record.detail = failure.detail
-        if listed is not None:
-            record.status = harness.EXPECTED_FAILURE
-            record.detail = f"{listed.reason} (observed: {failure.detail})"
-        elif database_xfail:
-            record.status = harness.OPINFO_EXPECTED_FAILURE
-        else:
-            record.status = harness.FAIL
-    elif listed is not None:
-        record.status, record.detail = harness.UNEXPECTED_PASS, f"listed as failing: {listed.reason}"
-    return record
-
-
-def run_entry(op, quick=False, budget=None, dtypes=DTYPES):
-    """Records of one OpInfo entry (forward per supported dtype, backward in float32/float64),
-    and the ATen ops it dispatched ({op: rung}) per phase."""
-    budget = budget if budget is not None else (QUICK_BUDGET if quick else FULL_BUDGET)
-    deadline = time.perf_counter() + budget
-    records = []
-    ops = {FORWARD: {}, BACKWARD: {}}
-    supported = op.supported_dtypes("cpu")
-    for dtype in dtypes:
-        if dtype in supported:
-            records.append(_run_phase(op, dtype, FORWARD, quick, deadline, ops[FORWARD]))
-    if op.supports_autograd:
-        backward_supported = op.supported_backward_dtypes("cpu")
-        for dtype in GRAD_DTYPES:
-            if dtype in backward_supported and dtype in dtypes:
-                records.append(_run_phase(op, dtype, BACKWARD, quick, deadline, ops[BACKWARD]))
-    return records, ops
-
-
-def sweep(only=None, quick=False, progress=None, budget=None):
-    """Run every selected entry. Returns (records, ops by entry, seconds, entries over budget)."""
-    database = select(load_database(), only)
-    harness.activate()
-    started = time.perf_counter()
-    records, ops_by_entry, over_budget = [], {}, []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for position, op in enumerate(database):
-            entry_started = time.perf_counter()
-            entry_records, entry_ops = run_entry(op, quick=quick, budget=budget)
-            records.extend(entry_records)
-            ops_by_entry[entry_name(op)] = entry_ops
-            if any(record.status == harness.TIMEOUT for record in entry_records):
-                over_budget.append(entry_name(op))
-            if progress is not None:
-                progress(position, len(database), op, entry_records, time.perf_counter() - entry_started)
-    return records, ops_by_entry, time.perf_counter() - started, over_budget
+        truth = precise()
+    except Exception:  # noqa: BLE001 - no float64 version of this op or sample
+        return
+    verdict = harness.judge_against_float64(outcome.actual, expected, truth)
+    if verdict is not None:
+        kind, note = verdict
+        outcome.kind = kind
+        outcome.detail = f"{outcome.detail} | {note}"
