@@ -525,6 +525,13 @@ def _out_plan(func, functional):
 
 def replace_contents(target, value):
     """Write `value` into `target`, resizing it first if torch's out= semantics call for it."""
+    if not isinstance(target, BridgeTensor):
+        # A plain CPU tensor given as out= (DDP's gradient buckets): write through torch.
+        with torch.no_grad():
+            if tuple(target.shape) != tuple(value.shape):
+                target.resize_(value.shape)
+            target.copy_(numpy_to_torch(__import__("numpy").array(value)))
+        return
     if tuple(target.shape) != tuple(value.shape):
         resized = BridgeTensor(value, target._index)
         torch._C.TensorBase.data.__set__(target, resized)
@@ -562,6 +569,12 @@ def _to_cpu(value):
     return value
 
 
+# Outputs that torch always keeps on the host, whatever the device of the inputs.
+_HOST_OUTPUTS = {
+    aten._pack_padded_sequence.default: (1,),  # batch_sizes
+}
+
+
 def _fallback_plan(func):
     written = _written_arguments(func._schema)
     warned = []
@@ -588,6 +601,12 @@ def _fallback_plan(func):
         result = func(*cpu_args, **cpu_kwargs)
         for position, name in written:
             _copy_back(_argument(args, kwargs, position, name), _argument(cpu_args, cpu_kwargs, position, name), index)
+        host_outputs = _HOST_OUTPUTS.get(func, ())
+        if host_outputs and isinstance(result, tuple):
+            return tuple(
+                item if position in host_outputs else _from_cpu(item, args, kwargs, cpu_args, cpu_kwargs, index)
+                for position, item in enumerate(result)
+            )
         return _from_cpu(result, args, kwargs, cpu_args, cpu_kwargs, index)
 
     return run

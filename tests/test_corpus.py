@@ -48,18 +48,7 @@ CASES = {
             "accumulate in different orders, so grad norms differ by up to ~1e-3 relative"
         ),
     ),
-    "lstm_lm": Case(
-        [(None, *FLOAT32)],
-        marks=[
-            pytest.mark.xfail(
-                reason=(
-                    "bridge bug: aten._pack_padded_sequence falls back to eager torch and its batch_sizes output "
-                    "comes back on the bridge device; torch requires it on the CPU (ValueError in PackedSequence)"
-                ),
-                strict=True,
-            )
-        ],
-    ),
+    "lstm_lm": Case([(None, *FLOAT32)], why="float32; packed sequences (the packing runs on the host CPU)"),
     "vae": Case([(None, *FLOAT32)], why="float32; the reparameterisation noise comes from a CPU generator"),
     "gan": Case([(None, *FLOAT32)]),
     "transformer_seq2seq": Case([(None, *FLOAT32)], why="float32, dropout 0 so that nothing is random"),
@@ -84,19 +73,7 @@ CASES = {
     "feature_hooks": Case([(None, *FLOAT32)], why="float32 forward and backward through hooks"),
     "gradient_penalty": Case([(None, *FLOAT32)], why="float32 double backward"),
     "activation_checkpoint": Case([(None, *FLOAT32)]),
-    "ddp_single": Case(
-        [(None, *FLOAT32)],
-        marks=[
-            pytest.mark.xfail(
-                reason=(
-                    "bridge bug: DDP's reducer writes gradients into its bucket, a plain CPU tensor, with "
-                    "aten.mul.out(grad, 1/world_size, out=bucket); the out= plan calls write_value on that plain "
-                    "tensor (AttributeError: 'Tensor' object has no attribute '_root')"
-                ),
-                strict=True,
-            )
-        ],
-    ),
+    "ddp_single": Case([(None, *FLOAT32)], why="float32; DistributedDataParallel, gloo, a world of one process"),
     "custom_function": Case([(None, *FLOAT32)], why="float32 with a custom autograd.Function and in-place edits"),
     "embedding_recommender": Case([(None, *FLOAT32)], why="float32 embeddings, Adagrad; int64 ids beyond 2**32"),
 }
