@@ -202,9 +202,7 @@ def mismatch_summary(error):
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     keep = [lines[0]] if lines else []
     for line in lines[1:]:
-        if line.startswith(("Mismatched elements", "Greatest absolute", "Greatest relative", "The failure occurred")):
-            keep.append(line)
-        elif "do not match" in line or "mismatch" in line.lower():
+        if line.startswith(("Mismatched elements", "Greatest absolute", "Greatest relative", "The failure occurred")) or "do not match" in line or "mismatch" in line.lower():
             keep.append(line)
     return " | ".join(keep)[:400]
 
@@ -465,7 +463,7 @@ def run_sweep_process(module_name, quick=False, only=None, progress=None, idle_t
             with open(error_path, "w+", encoding="utf-8") as error_file:
                 child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=error_file, text=True, cwd=repository, env=environment)
                 lines = queue.Queue()
-                threading.Thread(target=lambda: [lines.put(line) for line in child.stdout] + [lines.put(None)], daemon=True).start()
+                threading.Thread(target=_pump, args=(child.stdout, lines), daemon=True).start()
                 running, ended = None, False
                 while True:
                     try:
@@ -520,6 +518,13 @@ def run_sweep_process(module_name, quick=False, only=None, progress=None, idle_t
                     )
     result["seconds"] = time.perf_counter() - started
     return result
+
+
+def _pump(stream, lines):
+    """Move a child's output lines into a queue (None at the end), so the parent can time out."""
+    for line in stream:
+        lines.put(line)
+    lines.put(None)
 
 
 def _death(returncode):

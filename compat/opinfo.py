@@ -202,7 +202,7 @@ def _default_tolerance(dtype):
 class _Outcome:
     """The result of one sample: compared (ok or not), or not counted (torch's reference raised)."""
 
-    __slots__ = ("counted", "ok", "kind", "detail", "fallbacks", "ops", "random", "actual")
+    __slots__ = ("actual", "counted", "detail", "fallbacks", "kind", "ok", "ops", "random")
 
     def __init__(self, counted=True, ok=True, kind="", detail="", random=False):
         self.counted, self.ok, self.kind, self.detail, self.random = counted, ok, kind, detail, random
@@ -506,3 +506,150 @@ def _arbitrate(outcome, expected, precise):
         kind, note = verdict
         outcome.kind = kind
         outcome.detail = f"{outcome.detail} | {note}"
+
+
+# ---------------------------------------------------------------- one entry
+
+
+def _mode(op):
+    name = entry_name(op)
+    if name in UNINITIALIZED_ENTRIES:
+        return "uninitialized"
+    if name in RANDOM_ENTRIES or op.name in RANDOM_ENTRIES:
+        return "random"
+    if name in SOMETIMES_RANDOM_ENTRIES:
+        return "sometimes_random"
+    return "values"
+
+
+def _run_phase(op, dtype, phase, quick, deadline, ops_seen):
+    name = entry_name(op)
+    mode = _mode(op)
+    record = Record("opinfo", name, dtype_name(dtype), phase, harness.PASS, random=mode in ("random", "uninitialized"))
+    started = time.perf_counter()
+    skip_reason, database_xfail = database_verdict(op, dtype, phase)
+    if skip_reason is not None:
+        record.status, record.detail = harness.OPINFO_SKIP, skip_reason
+        return record
+    listed = expected_failures.lookup(expected_failures.OPINFO, name, dtype, phase, quick)
+    if time.perf_counter() >= deadline:
+        record.status, record.detail = harness.TIMEOUT, "the entry's time budget was spent before this dtype ran"
+        return record
+    failure = None
+    kinds = set()
+    fallbacks = set()
+    attempts = 0
+    torch.manual_seed(0)  # the same samples run to run, whatever ran before
+    try:
+        with harness.time_limit(deadline - time.perf_counter()):
+            samples = op.sample_inputs("cpu", dtype, requires_grad=(phase == BACKWARD))
+            for sample in samples:
+                attempts += 1
+                if phase == FORWARD:
+                    outcome = _forward_sample(op, sample, dtype, mode)
+                else:
+                    outcome = _backward_sample(op, sample, dtype, mode)
+                if outcome.counted:
+                    record.samples += 1
+                    record.random = record.random or outcome.random
+                    fallbacks.update(outcome.fallbacks)
+                    harness.merge_ops(ops_seen, outcome.ops)
+                    if outcome.ok:
+                        record.passed += 1
+                    else:
+                        kinds.add(outcome.kind)
+                        if failure is None:
+                            failure = outcome
+                if quick and (record.samples >= 1 or attempts >= QUICK_ATTEMPTS):
+                    break
+    except harness.SampleTimeout:
+        record.status = harness.TIMEOUT
+        record.detail = f"ran past the entry's time budget after {record.samples} samples"
+    except Exception as error:  # noqa: BLE001 - the database's sample generator itself failed
+        if record.samples == 0:
+            record.status, record.detail = harness.NO_SAMPLES, "sample generation failed: " + harness.first_line(error)
+    record.cpu_fallback = sorted(fallbacks)
+    record.seconds = round(time.perf_counter() - started, 3)
+    if record.status == harness.TIMEOUT:
+        return record
+    if record.samples == 0:
+        if record.status != harness.NO_SAMPLES:
+            record.status, record.detail = harness.NO_SAMPLES, "no sample that torch itself runs"
+        return record
+    if failure is not None:
+        record.kind = failure.kind
+        record.detail = failure.detail
+        if listed is not None and listed.covers(kinds):
+            record.status = harness.EXPECTED_FAILURE
+            record.detail = f"{listed.reason} (observed: {failure.detail})"
+        elif database_xfail:
+            record.status = harness.OPINFO_EXPECTED_FAILURE
+        else:
+            record.status = harness.FAIL
+    elif listed is not None:
+        record.status, record.detail = harness.UNEXPECTED_PASS, f"listed as failing: {listed.reason}"
+    return record
+
+
+def planned_records(op, dtypes=DTYPES):
+    """[entry, dtype, phase] of the records run_entry makes for this entry."""
+    name = entry_name(op)
+    supported = op.supported_dtypes("cpu")
+    planned = [[name, dtype_name(dtype), FORWARD] for dtype in dtypes if dtype in supported]
+    if op.supports_autograd:
+        backward_supported = op.supported_backward_dtypes("cpu")
+        planned += [[name, dtype_name(dtype), BACKWARD] for dtype in GRAD_DTYPES if dtype in backward_supported and dtype in dtypes]
+    return planned
+
+
+def run_entry(op, quick=False, budget=None, dtypes=DTYPES):
+    """Records of one OpInfo entry (forward per supported dtype, backward in float32/float64),
+    and the ATen ops it dispatched ({op: rung}) per phase."""
+    budget = budget if budget is not None else (QUICK_BUDGET if quick else FULL_BUDGET)
+    deadline = time.perf_counter() + budget
+    records = []
+    ops = {FORWARD: {}, BACKWARD: {}}
+    supported = op.supported_dtypes("cpu")
+    for dtype in dtypes:
+        if dtype in supported:
+            records.append(_run_phase(op, dtype, FORWARD, quick, deadline, ops[FORWARD]))
+    if op.supports_autograd:
+        backward_supported = op.supported_backward_dtypes("cpu")
+        for dtype in GRAD_DTYPES:
+            if dtype in backward_supported and dtype in dtypes:
+                records.append(_run_phase(op, dtype, BACKWARD, quick, deadline, ops[BACKWARD]))
+    return records, ops
+
+
+def sweep(only=None, quick=False, progress=None, budget=None, starting=None, planned=None, exact=None):
+    """Run every selected entry. Returns (records, ops by entry, seconds, entries over budget)."""
+    database = select(load_database(), only, exact)
+    if planned is not None:
+        planned([entry_name(op) for op in database])
+    harness.activate()
+    started = time.perf_counter()
+    records, ops_by_entry, over_budget = [], {}, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for position, op in enumerate(database):
+            if starting is not None:
+                starting(position, len(database), op)
+            entry_started = time.perf_counter()
+            entry_records, entry_ops = run_entry(op, quick=quick, budget=budget)
+            records.extend(entry_records)
+            ops_by_entry[entry_name(op)] = entry_ops
+            if any(record.status == harness.TIMEOUT for record in entry_records):
+                over_budget.append(entry_name(op))
+            if progress is not None:
+                progress(position, len(database), op, entry_records, time.perf_counter() - entry_started, entry_ops)
+    return records, ops_by_entry, time.perf_counter() - started, over_budget
+
+
+def display_name(op):
+    return entry_name(op)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(harness.sweep_main(sys.modules[__name__]))
