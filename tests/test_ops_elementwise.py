@@ -10,7 +10,7 @@ import torch  # noqa: E402
 from torch.testing import make_tensor  # noqa: E402
 
 import op_mappings  # noqa: E402,F401  (registers the tables)
-from op_testing import run_mapping  # noqa: E402
+from op_testing import run_mapping, through_bridge  # noqa: E402
 
 aten = torch.ops.aten
 
@@ -490,33 +490,6 @@ def test_activation_scalars_keep_dtype():
 
 
 # ---------------------------------------------------------------- through the bridge: values and gradients
-
-
-def through_bridge(function, *inputs, differentiable=True):
-    """Run `function` on bridge copies of `inputs` and on the inputs; compare values and input gradients.
-
-    Also checks that every op ran from the tables (no CPU fallback) and that no result
-    needed a dtype correction against torch's meta kernels.
-    """
-    from runtime import stats
-    from runtime.tensor import to_bridge
-    from runtime.tensor import to_torch as bridge_to_torch
-
-    stats.reset()
-    eager = [value.clone().requires_grad_(differentiable and value.is_floating_point()) for value in inputs]
-    bridged = [to_bridge(value).requires_grad_(differentiable and value.is_floating_point()) for value in inputs]
-    expected, actual = function(*eager), function(*bridged)
-    torch.testing.assert_close(bridge_to_torch(actual), expected, equal_nan=True)
-    if differentiable:
-        upstream = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3), dtype=expected.dtype)
-        expected.backward(upstream)
-        actual.backward(to_bridge(upstream))
-        for eager_input, bridged_input in zip(eager, bridged):
-            if eager_input.requires_grad:
-                torch.testing.assert_close(bridge_to_torch(bridged_input.grad), eager_input.grad)
-    summary = stats.summary()
-    assert not summary["cpu_fallbacks"], summary["cpu_fallbacks"]
-    assert not summary["dtype_corrections"], summary["dtype_corrections"]
 
 
 F = torch.nn.functional

@@ -8,7 +8,7 @@ import torch
 
 import op_mappings  # noqa: F401  (registers the tables)
 from runtime.registry import MAPPINGS
-from op_testing import run_mapping as run, to_jax, to_torch  # noqa: E402
+from op_testing import run_mapping as run, to_jax, to_torch, through_bridge  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 aten = torch.ops.aten
@@ -355,29 +355,6 @@ def test_local_scalar_dense_and_lift():
 
 
 # ---------------------------------------------------------------- through the bridge: values, in-place writes and gradients
-
-
-def through_bridge(function, *inputs, differentiable=True):
-    """Run `function` on bridge copies of `inputs` and on the inputs themselves; compare values and input gradients."""
-    from runtime import stats
-    from runtime.tensor import to_bridge
-    from runtime.tensor import to_torch as bridge_to_torch
-
-    stats.reset()
-    eager = [value.clone().requires_grad_(differentiable and value.is_floating_point()) for value in inputs]
-    bridged = [to_bridge(value).requires_grad_(differentiable and value.is_floating_point()) for value in inputs]
-    expected, actual = function(*eager), function(*bridged)
-    torch.testing.assert_close(bridge_to_torch(actual), expected, equal_nan=True)
-    if differentiable:
-        upstream = torch.randn(expected.shape, generator=torch.Generator().manual_seed(3), dtype=expected.dtype)
-        expected.backward(upstream)
-        actual.backward(to_bridge(upstream))
-        for eager_input, bridged_input in zip(eager, bridged):
-            if eager_input.requires_grad:
-                torch.testing.assert_close(bridge_to_torch(bridged_input.grad), eager_input.grad)
-    summary = stats.summary()
-    assert not summary["cpu_fallbacks"], summary["cpu_fallbacks"]
-    assert not summary["dtype_corrections"], summary["dtype_corrections"]
 
 
 F = torch.nn.functional
