@@ -4,7 +4,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import torch
 
 from runtime.dtypes import DEFAULT, INT_TO_FLOAT, NO_OPMATH
 from runtime.registry import aten, register_mapping

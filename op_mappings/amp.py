@@ -1,7 +1,6 @@
 """Gradient scaling for mixed precision: the two ops `torch.amp.GradScaler` runs."""
 
 import jax.numpy as jnp
-import torch
 
 from runtime.registry import aten, register_mapping
 

@@ -6,9 +6,8 @@ Type promotion is declared with `promote=`; bodies receive operands already in t
 import jax
 import jax.numpy as jnp
 from jax import lax
-import torch
 
-from runtime import dtypes, registry
+from runtime import registry
 from runtime.dtypes import ALWAYS_BOOL, BOOL_TO_LONG, COMPLEX_TO_FLOAT, DEFAULT, INT_TO_FLOAT, NO_OPMATH
 from runtime.registry import aten, jnp_dtype, register_mapping
 

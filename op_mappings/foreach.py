@@ -6,7 +6,6 @@ reuse the promoted `call`s of the elementwise and reduction tables. The in-place
 """
 
 import jax.numpy as jnp
-import torch
 
 from runtime.registry import MAPPINGS, aten, jnp_dtype, register_mapping
 

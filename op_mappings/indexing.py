@@ -9,7 +9,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-import torch
 
 from runtime.registry import aten, register_mapping
 

@@ -8,7 +8,6 @@ import math
 import jax
 import jax.numpy as jnp
 from jax import lax
-import torch
 
 from runtime import dtypes
 from runtime.registry import aten, jnp_dtype, register_mapping

@@ -75,8 +75,9 @@ def _unwrap(value, index):
     return value
 
 
-def _device_index(args):
-    for value in args:
+def _device_index(args, kwargs=None):
+    """The bridge ordinal of a call: that of its first bridge tensor (positional first)."""
+    for value in list(args) + list((kwargs or {}).values()):
         if isinstance(value, BridgeTensor):
             return value._index
         if isinstance(value, (list, tuple)):
@@ -87,9 +88,7 @@ def _device_index(args):
 
 
 def _unwrap_all(args, kwargs):
-    index = _device_index(args)
-    if not index and kwargs:
-        index = _device_index(tuple(kwargs.values())) if not any(isinstance(a, BridgeTensor) for a in args) else index
+    index = _device_index(args, kwargs)
     return (
         [_unwrap(value, index) for value in args],
         {name: _unwrap(value, index) for name, value in kwargs.items()},
@@ -164,8 +163,8 @@ def _leaves(value):
 
 def _compare(func, expected, actual):
     """Corrections to apply to the mapping's outputs (None if it agrees with torch)."""
-    expected_leaves = [leaf for leaf in _leaves(expected)]
-    actual_leaves = [leaf for leaf in _leaves(actual)]
+    expected_leaves = list(_leaves(expected))
+    actual_leaves = list(_leaves(actual))
     if len(expected_leaves) != len(actual_leaves):
         raise MappingMismatchError(
             f"bridge mapping for {func} returned {len(actual_leaves)} outputs where torch returns "
@@ -304,21 +303,6 @@ def _functional_counterpart(func):
         if [argument.name for argument in candidate_schema.arguments] == wanted:
             return candidate
     return None
-
-
-def _check(func, args, kwargs, out):
-    """Compare with torch's meta kernel once per signature; returns the output, corrected if needed."""
-    if not settings.check_signatures:
-        return out
-    key = _signature(func, args, kwargs)
-    corrections = _checked.get(key, _UNCHECKED)
-    if corrections is _UNCHECKED:
-        expected = _meta_result(func, args, kwargs)
-        corrections = None if expected is None else _compare(func, expected, out)
-        _checked[key] = corrections
-    if corrections is not None:
-        out = _apply_corrections(out, corrections)
-    return out
 
 
 def _precheck(func, args, kwargs):
@@ -595,7 +579,7 @@ def _fallback_plan(func):
                 f"(slow: a copy to the host and back). This warning is shown once per op.",
                 CPUFallbackWarning,
             )
-        index = _device_index(args)
+        index = _device_index(args, kwargs)
         cpu_args = _to_cpu(list(args))
         cpu_kwargs = {name: _to_cpu(value) for name, value in kwargs.items()}
         result = func(*cpu_args, **cpu_kwargs)

@@ -11,7 +11,7 @@ import torch
 
 from runtime import devices
 from runtime.config import settings
-from runtime.tensor import BridgeTensor, to_bridge, to_bridge_autograd, read_value
+from runtime.tensor import BridgeTensor, to_bridge, to_bridge_autograd
 
 from . import collect, replace, wrap
 
