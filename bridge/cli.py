@@ -113,6 +113,10 @@ def _print_user_traceback(error, path):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["coverage"]:
+        # Its options belong to compat.coverage (argparse's REMAINDER would refuse a leading --flag).
+        return _coverage(argv[1:])
     options = _parser().parse_args(argv)
     if options.command == "run":
         return run_script(
@@ -129,13 +133,15 @@ def main(argv=None):
         return compare_script(
             options.script, options.args, rtol=options.rtol, atol=options.atol, match=options.match, device=options.device
         )
-    if options.command == "coverage":
-        # compat sits above bridge in the layers (it measures bridge's public API); the CLI is
-        # the one place that reaches up, lazily, so that `python -m bridge coverage` exists.
-        from compat.coverage import main as coverage_main
-
-        return coverage_main(options.args)
     return 2
+
+
+def _coverage(argv):
+    # compat sits above bridge in the layers (it measures bridge's public API); the CLI is
+    # the one place that reaches up, lazily, so that `python -m bridge coverage` exists.
+    from compat.coverage import main as coverage_main
+
+    return coverage_main(argv)
 
 
 def console_main():
