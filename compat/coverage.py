@@ -31,6 +31,9 @@ UNTESTED = "untested"
 STATUS_ORDER = (MAPPED, DERIVED, DECOMPOSED, GRAPH_ONLY, CPU_FALLBACK, UNSUPPORTED, UNTESTED)
 SERVED = (MAPPED, DERIVED, DECOMPOSED)
 
+# Results that leave an entry short of passing (listed or not).
+NOT_PASSING = (harness.FAIL, harness.TIMEOUT, harness.EXPECTED_FAILURE, harness.OPINFO_EXPECTED_FAILURE)
+
 SHORT_DTYPES = {
     "float32": "f32",
     "float64": "f64",
@@ -51,6 +54,19 @@ MARKS = {
     harness.TIMEOUT: "T",
     harness.NO_SAMPLES: "–",
 }
+METHOD = (
+    "Each OpInfo entry runs its sample inputs (quick: the first per dtype) on eager torch on the CPU "
+    "and on bridge copies; results are compared with torch.testing.assert_close at torch's default "
+    "tolerances for the dtype (or the entry's own toleranceOverride), NaNs equal, dtypes exact. "
+    "Gradients: a fixed random cotangent through the differentiable outputs, float32 and float64. "
+    "Random ops are checked for shape, dtype and reproducibility under torch.manual_seed; indices "
+    "torch leaves unspecified among equal values (sort, argsort, topk, kthvalue) must point at equal "
+    "values. A mismatch is called rounding when the bridge's result is as close to the same "
+    "computation in float64 as torch's own. The database's own skips for test_compare_cpu, "
+    "test_variant_consistency_eager and test_fn_grad (TestModule.test_cpu_gpu_parity/test_forward/"
+    "test_grad for modules) are honoured and shown. A pass counts as 'no CPU fallback' only if no "
+    "ATen op of the sample ran through the fallback."
+)
 LEGEND = (
     "✓ pass · ✗ fail · xf listed expected failure (compat/expected_failures.py) · xp listed but passes · "
     "s skipped by the database's own metadata · dxf failure the database itself marks expected · "
@@ -62,17 +78,20 @@ LEGEND = (
 
 
 def core_aten_overloads():
-    """Every `torch.ops.aten` overload tagged core, sorted by name."""
-    found = []
-    for name in dir(torch.ops.aten):
-        packet = getattr(torch.ops.aten, name, None)
-        if packet is None or not hasattr(packet, "overloads"):
+    """Every ATen overload the dispatcher knows that is tagged core, sorted by name. (The
+    dispatcher's list, not dir(torch.ops.aten), which holds only the packets loaded so far.)"""
+    found = {}
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::"):
             continue
-        for overload_name in packet.overloads():
-            overload = getattr(packet, overload_name)
-            if torch.Tag.core in overload.tags:
-                found.append(overload)
-    return sorted(found, key=str)
+        base, _, overload_name = name[len("aten::") :].partition(".")
+        try:
+            overload = getattr(getattr(torch.ops.aten, base), overload_name or "default")
+        except (AttributeError, RuntimeError):
+            continue
+        if torch.Tag.core in overload.tags:
+            found[str(overload)] = overload
+    return [found[name] for name in sorted(found)]
 
 
 def _writes(argument):
@@ -287,12 +306,17 @@ def _normalize(detail):
 
 
 def failure_groups(records):
-    """Failures grouped by cause: (kind, normalized message) -> entries, biggest first."""
+    """Failures grouped by cause: (kind, first ATen op to go wrong, normalized message) -> entries,
+    biggest first."""
     groups = collections.defaultdict(list)
     for record in records:
         if record["status"] not in (harness.FAIL, harness.TIMEOUT):
             continue
-        key = (record["kind"] or record["status"], _normalize(record["detail"]))
+        culprit = re.search(r"first op to go wrong: (aten\.[\w.]+)", record["detail"])
+        cause = _normalize(record["detail"])
+        if culprit:
+            cause = f"{culprit.group(1)}: {cause}"
+        key = (record["kind"] or record["status"], cause)
         groups[key].append(f"{record['entry']} {record['dtype']}/{record['phase']}")
     ordered = sorted(groups.items(), key=lambda item: -len(item[1]))
     return [{"kind": kind, "cause": cause, "count": len(items), "examples": items[:12]} for (kind, cause), items in ordered]
@@ -406,7 +430,7 @@ def build(results, command, quick, only=None, started=None):
         "command": command,
         "mode": "quick (first sample per entry and dtype)" if quick else "full (every sample)",
         "only": list(only) if only else None,
-        "generated": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "generated": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "versions": {"torch": torch.__version__, "jax": jax.__version__, "python": platform.python_version()},
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, JAX backend {jax.default_backend()}",
         "totals": {},
@@ -429,7 +453,7 @@ def build(results, command, quick, only=None, started=None):
         failing = [
             r["entry"]
             for r in touching
-            if any(s in (harness.FAIL, harness.TIMEOUT) for phase in (FORWARD, BACKWARD) for s in r[phase].values())
+            if any(s in NOT_PASSING for phase in (FORWARD, BACKWARD) for s in r[phase].values())
         ]
         row["opinfo_entries_passing"] = len(touching) - len(failing)
         row["opinfo_entries_failing"] = failing
@@ -549,8 +573,14 @@ def _fraction(rate):
 # ---------------------------------------------------------------- writers
 
 
-def _marks(statuses, dtypes=SHORT_DTYPES):
-    return " ".join(f"{SHORT_DTYPES[d]}{MARKS[statuses[d]]}" for d in dtypes if d in statuses)
+def _marks(statuses, fallback=(), phase=None):
+    """"f32✓ bf16✗ ..."; a pass that needed the CPU fallback gets a star."""
+    marks = []
+    for dtype, short in SHORT_DTYPES.items():
+        if dtype in statuses:
+            star = "*" if statuses[dtype] == harness.PASS and f"{dtype}/{phase}" in fallback else ""
+            marks.append(f"{short}{MARKS[statuses[dtype]]}{star}")
+    return " ".join(marks)
 
 
 def _md_escape(text):
@@ -576,7 +606,7 @@ def write_markdown(report, path):
         "Core ATen by status: "
         + ", ".join(f"{status} {count}" for status, count in core["by_status"].items() if count)
         + f"; {core['covered_by_opinfo']} dispatched by OpInfo samples, {core['covered_and_all_passing']} of them "
-        "with every touching entry passing.\n"
+        "with every entry that dispatches them passing (listed expected failures count as not passing).\n"
     )
     if "opinfo" in totals:
         op = totals["opinfo"]
@@ -607,6 +637,7 @@ def write_markdown(report, path):
         )
     out.append("")
     out.append(f"Legend: {LEGEND}.\n")
+    out.append(f"How parity is checked: {METHOD}\n")
 
     for key, title in (("opinfo_failure_groups", "OpInfo failures by cause"), ("moduleinfo_failure_groups", "ModuleInfo failures by cause")):
         if report.get(key):
@@ -639,7 +670,8 @@ def write_markdown(report, path):
             if row["random"]:
                 notes = ("random: shape, dtype, reproducibility checked; " + notes).rstrip("; ")
             out.append(
-                f"| {row['entry']} | {_marks(row[FORWARD])} | {_marks(row[BACKWARD])} | "
+                f"| {row['entry']} | {_marks(row[FORWARD], row['fallback_records'], FORWARD)} | "
+                f"{_marks(row[BACKWARD], row['fallback_records'], BACKWARD)} | "
                 f"{_md_escape(', '.join(row['cpu_fallback']))} | {_md_escape(notes[:300])} |"
             )
         out.append("")
@@ -673,7 +705,7 @@ def write_html(report, path):
     from .html import render
 
     with open(path, "w", encoding="utf-8") as handle:
-        handle.write(render(report, headline(report), LEGEND, MARKS, SHORT_DTYPES, STATUS_ORDER))
+        handle.write(render(report, headline(report), LEGEND + ". " + METHOD, MARKS, SHORT_DTYPES, STATUS_ORDER))
 
 
 WRITERS = {"md": write_markdown, "json": write_json, "html": write_html}
@@ -742,6 +774,7 @@ def main(argv=None):
     else:
         results = run_sweeps(only=only, quick=options.quick, progress=progress if options.progress else None)
     if options.save_results:
+        os.makedirs(os.path.dirname(os.path.abspath(options.save_results)), exist_ok=True)
         with open(options.save_results, "w", encoding="utf-8") as handle:
             json.dump({"command": command, "quick": options.quick, "only": only, "results": results}, handle)
     report = build(results, command, options.quick, only, started)

@@ -37,11 +37,170 @@ class ExpectedFailure:
         return self.quick or not quick
 
 
-# OpInfo entries ("name" or "name.variant_test_name") -> their expected failures.
-OPINFO = {}
+F16 = (torch.bfloat16, torch.float16)
+F32_F64 = (torch.float32, torch.float64)
+INTEGERS_AND_BOOL = (torch.int64, torch.int32, torch.bool)
 
-# ModuleInfo entries ("nn.Linear") -> their expected failures; phases are "train" / "eval".
-MODULEINFO = {}
+# ---- Reasons shared by several entries, each checked by hand (see the report for what the
+# sweep saw; "rounding" failures are re-judged against float64 by the sweep on every run).
+COMPLEX32 = "JAX has no complex32 dtype (torch.chalf), so no bridge tensor can hold one"
+COMPLEX_REAL_PART = (
+    "bug in the aten.complex mapping: complex(real, imag) returns imag + 0j (complex(1., 2.) gives 2+0j)"
+)
+IN_PLACE_VIEW = (
+    "runtime: in-place ops are derived by writing the functional result back into the tensor, so "
+    "in-place view ops cannot change its shape ({op})"
+)
+DEVICE_FROM_PYTHON = (
+    "runtime: torch's Python decomposition of {op} builds aten.arange(..., device=self.device); a bridge "
+    "tensor reports 'cuda' there, so the factory reaches torch's real CUDA backend "
+    "('Could not run aten::empty.memory_format ... CUDA')"
+)
+ZERO_GRADIENT_ON_CPU = (
+    "runtime: torch's autograd formula or engine makes this zero gradient with {op}(..., device='cpu') "
+    "(the device a bridge tensor reports to C++), so the gradient comes back as a plain CPU tensor"
+)
+BOOL_ACCUMULATE = (
+    "bug in the {op} mapping: accumulating into a bool tensor calls jnp add/mul, which JAX refuses for "
+    "bool (torch means logical or/and)"
+)
+FALLBACK_UNDER_DISPATCH = (
+    "runtime: the CPU fallback of aten.linalg_pinv.atol_rtol_tensor runs inside __torch_dispatch__, where "
+    "torch's CPU kernel takes its tensor-subclass path and returns other values for complex input "
+    "(a pass-through TorchDispatchMode on plain CPU tensors shows the same); running the fallback "
+    "under torch._C._DisableTorchDispatch() gives torch's result"
+)
+ROUNDING_LOW_PRECISION = (
+    "rounding: results differ from torch's CPU kernel by an ulp of {dtype}, and are as close to the "
+    "float64 result as torch's own (accumulation order)"
+)
+ILL_CONDITIONED = (
+    "rounding: ill-conditioned in float32; torch's own CPU result is {error} from the float64 one, "
+    "and the bridge's is about as far"
+)
+
+# OpInfo entries ("name" or "name.variant_test_name") -> their expected failures.
+OPINFO = {
+    # ---- dtypes JAX does not have, layouts the bridge does not have
+    "chalf": [ExpectedFailure(COMPLEX32, phases=FORWARD)],
+    "view_as_complex": [ExpectedFailure(COMPLEX32 + " (float16 pairs view as complex32)", (torch.float16,), FORWARD)],
+    "to_sparse": [ExpectedFailure("sparse layouts: a bridge tensor holds a dense jax.Array only", phases=BOTH)],
+    # ---- torch's CPU and meta kernels disagree; the bridge follows the meta kernel (and CUDA)
+    "native_layer_norm": [
+        ExpectedFailure(
+            "torch's CPU kernel returns mean and rstd in bfloat16/float16, its meta kernel (and CUDA) in "
+            "float32; the bridge's results are checked against the meta kernel",
+            F16,
+            FORWARD,
+            kinds=("dtype",),
+        )
+    ],
+    # ---- mapping bugs
+    "complex": [
+        ExpectedFailure(COMPLEX32 + " (complex of float16 parts is complex32)", (torch.float16,), FORWARD),
+        ExpectedFailure(COMPLEX_REAL_PART, F32_F64, FORWARD),
+    ],
+    "polar": [ExpectedFailure("bug in the aten.polar mapping: polar(1., .5) gives 0.479+0j (sin(.5) as the real part)", F32_F64)],
+    "cov": [ExpectedFailure("torch's decomposition of cov ends in aten.complex(real, 0): " + COMPLEX_REAL_PART, (torch.complex64,), FORWARD)],
+    "corrcoef": [ExpectedFailure("goes through cov: " + COMPLEX_REAL_PART, (torch.complex64,), FORWARD)],
+    "digamma": [ExpectedFailure("bug in the aten.digamma mapping: NaN at 0 where torch gives -inf", INTEGERS_AND_BOOL, FORWARD)],
+    "special.bessel_j0": [
+        ExpectedFailure("bug in the aten.special_bessel_j0 mapping: NaN for some finite inputs", (torch.float32,) + INTEGERS_AND_BOOL, FORWARD),
+        ExpectedFailure(
+            "the aten.special_bessel_j0 mapping is accurate to about 2e-7 in float64 (torch's tolerance is 1e-7)",
+            (torch.float64,),
+            FORWARD,
+        ),
+    ],
+    "special.bessel_j1": [
+        ExpectedFailure("bug in the aten.special_bessel_j1 mapping: NaN for some finite inputs", (torch.float32,) + INTEGERS_AND_BOOL, FORWARD)
+    ],
+    "nn.functional.pad.replicate_negative": [
+        ExpectedFailure("bug in the aten.replication_pad2d mapping: negative padding raises \"index can't contain negative values\"")
+    ],
+    "nn.functional.unfold": [
+        ExpectedFailure("bug in the aten.im2col mapping: an empty batch raises ZeroDivisionError (integer modulo by zero)")
+    ],
+    "put": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.put"), (torch.bool,), FORWARD)],
+    "scatter_add": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.scatter_add"), (torch.bool,), FORWARD)],
+    "scatter_reduce.sum": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.scatter_reduce.two"), (torch.bool,), FORWARD)],
+    "scatter_reduce.prod": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.scatter_reduce.two"), (torch.bool,), FORWARD)],
+    "_unsafe_masked_index_put_accumulate": [
+        ExpectedFailure(BOOL_ACCUMULATE.format(op="aten._unsafe_masked_index_put_accumulate"), (torch.bool,), FORWARD)
+    ],
+    # ---- runtime: in-place ops that change a tensor's shape
+    "quantile": [ExpectedFailure(IN_PLACE_VIEW.format(op="torch.quantile squeezes its result with aten.squeeze_"), F32_F64)],
+    "nanquantile": [ExpectedFailure(IN_PLACE_VIEW.format(op="torch.nanquantile squeezes its result with aten.squeeze_"), F32_F64)],
+    "stft": [ExpectedFailure(IN_PLACE_VIEW.format(op="torch.stft transposes its result with aten.transpose_"))],
+    "resize_": [ExpectedFailure(IN_PLACE_VIEW.format(op="aten.resize_"), phases=FORWARD)],
+    # ---- runtime: factories that reach torch's real CUDA backend
+    "nn.functional.max_unpool1d": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool2d"))],
+    "nn.functional.max_unpool1d.grad": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool2d"))],
+    "nn.functional.max_unpool2d": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool2d"))],
+    "nn.functional.max_unpool2d.grad": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool2d"))],
+    "nn.functional.max_unpool3d": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool3d"))],
+    "nn.functional.max_unpool3d.grad": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool3d"))],
+    "empty_permuted": [
+        ExpectedFailure(
+            "runtime: torch.empty_permuted is not among the factories bridge/patches/devices.py routes, so "
+            "device='cuda' reaches torch's real CUDA backend",
+            phases=FORWARD,
+        )
+    ],
+    # ---- runtime: C++ code that reads a bridge tensor's (absent) CPU storage
+    "tensor_split": [
+        ExpectedFailure(
+            "runtime: aten.tensor_split.tensor_indices_or_sections is a C++ composite that reads the indices "
+            "tensor's data directly, and a bridge tensor has no CPU storage ('its data is not allocated yet')"
+        )
+    ],
+    # ---- runtime: zero gradients made on the CPU by torch's autograd
+    "copysign": [ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten.zeros"), F32_F64, BACKWARD, kinds=("device",))],
+    "nextafter": [ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten.zeros"), F32_F64, BACKWARD, kinds=("device",))],
+    "max_pool2d_with_indices_backward": [
+        ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten.zeros"), F32_F64, BACKWARD, kinds=("device",))
+    ],
+    "sgn": [ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten._efficientzerotensor"), F32_F64, BACKWARD, kinds=("device",))],
+    # ---- runtime: the CPU fallback run inside __torch_dispatch__
+    "pinverse": [ExpectedFailure(FALLBACK_UNDER_DISPATCH, (torch.complex64,), FORWARD)],
+    "linalg.pinv": [ExpectedFailure(FALLBACK_UNDER_DISPATCH, (torch.complex64,), FORWARD)],
+    # ---- rounding (the sweep re-judges these against float64 each run: kinds=("rounding",))
+    "_batch_norm_with_update": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
+    "nn.functional.batch_norm": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
+    "nn.functional.instance_norm": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
+    "logit": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
+    "nn.functional.grid_sample": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
+    "grid_sampler_2d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
+    "nn.functional.conv_transpose1d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
+    "nn.functional.conv_transpose2d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
+    "nn.functional.conv_transpose3d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
+    "logcumsumexp": [ExpectedFailure(ILL_CONDITIONED.format(error="2e-3"), (torch.float32,), BACKWARD, kinds=("rounding",))],
+    "nn.functional.ctc_loss": [ExpectedFailure(ILL_CONDITIONED.format(error="5e-5"), (torch.float32,), BACKWARD, kinds=("rounding",))],
+}
+
+LAZY_TO_DEVICE = (
+    "runtime: Module.to('cuda') before the first forward fails: the bridge's Tensor.to patch detaches the "
+    "lazy module's UninitializedParameter, which torch forbids (torch itself moves it uninitialized)"
+)
+
+# ModuleInfo entries ("nn.Linear", or "nn.Linear.train" for one mode) -> their expected failures.
+MODULEINFO = {
+    "nn.LazyConv1d": [ExpectedFailure(LAZY_TO_DEVICE)],
+    "nn.LazyConv2d": [ExpectedFailure(LAZY_TO_DEVICE)],
+    "nn.LazyConv3d": [ExpectedFailure(LAZY_TO_DEVICE)],
+    "nn.LazyConvTranspose1d": [ExpectedFailure(LAZY_TO_DEVICE)],
+    "nn.LazyConvTranspose2d": [ExpectedFailure(LAZY_TO_DEVICE)],
+    "nn.LazyConvTranspose3d": [ExpectedFailure(LAZY_TO_DEVICE)],
+    "nn.ConvTranspose3d": [
+        ExpectedFailure(
+            "rounding: the float32 weight gradient differs from torch's by up to 7e-5 and is as close to the "
+            "float64 one (5.7e-5 against torch's 6.2e-5)",
+            (torch.float32,),
+            BACKWARD,
+            kinds=("rounding",),
+        )
+    ],
+}
 
 
 def lookup(table, entry, dtype, phase, quick=False):
@@ -56,4 +215,4 @@ def dtype_name(dtype):
     return str(dtype).replace("torch.", "")
 
 
-__all__ = ["ExpectedFailure", "OPINFO", "MODULEINFO", "lookup", "torch"]
+__all__ = ["MODULEINFO", "OPINFO", "ExpectedFailure", "lookup", "torch"]

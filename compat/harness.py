@@ -306,6 +306,65 @@ def judge_against_float64(actual, expected, truth):
     return "mismatch", note
 
 
+def _is_bridge(value):
+    return isinstance(value, torch.Tensor) and type(value) not in (torch.Tensor, torch.nn.Parameter)
+
+
+class FirstDivergence(TorchDispatchMode):
+    """Runs each ATen op that gets bridge tensors a second time with eager torch on CPU copies of
+    its inputs, and names the first op whose result differs (or that raises): where a failing
+    sample goes wrong, for the failure groups of the report. For diagnosis only (slow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.found is not None or not any(_is_bridge(value) for value in pytree.tree_leaves((args, kwargs))):
+            return func(*args, **kwargs)
+        try:
+            cpu_args, cpu_kwargs = pytree.tree_map(
+                lambda value: value.detach().cpu().clone() if _is_bridge(value) else value, (args, kwargs)
+            )
+            if "device" in cpu_kwargs and cpu_kwargs["device"] is not None:
+                cpu_kwargs["device"] = "cpu"
+        except Exception:  # noqa: BLE001
+            return func(*args, **kwargs)
+        try:
+            result = func(*args, **kwargs)
+        except Exception as error:
+            self.found = f"{func} raised {first_line(error)[:120]}"
+            raise
+        if _draws_random_numbers(func) or _uninitialized(func):
+            return result
+        try:
+            expected = func(*cpu_args, **cpu_kwargs)
+            compare(to_cpu_loose(result), expected)
+        except AssertionError as error:
+            self.found = f"{func} ({mismatch_summary(error).split(' | ')[0][:120]})"
+        except Exception:  # noqa: BLE001 - eager torch cannot replay it: no verdict
+            pass
+        return result
+
+
+def _draws_random_numbers(func):
+    from runtime.registry import MAPPINGS
+
+    mapping = MAPPINGS.get(func)
+    return (mapping is not None and mapping.rng) or torch.Tag.nondeterministic_seeded in func.tags
+
+
+def _uninitialized(func):
+    """Ops whose results are uninitialized memory (empty, empty_like, new_empty, ...)."""
+    return torch.Tag.nondeterministic_bitwise in func.tags or "empty" in func._schema.name
+
+
+def to_cpu_loose(tree):
+    """Like to_cpu, but plain tensors pass through (for diagnosis, where the device is not the question)."""
+    return pytree.tree_map(lambda value: value.detach().cpu() if isinstance(value, torch.Tensor) else value, tree)
+
+
 # ---------------------------------------------------------------- the runtime's counters
 
 

@@ -63,9 +63,9 @@ RANDOM_ENTRIES = {
 }
 # Entries whose results are uninitialized memory: shape and dtype only.
 UNINITIALIZED_ENTRIES = {"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty", "new_empty_strided"}
-# Entries random for some samples only (a dropout probability argument): a sample whose bridge
-# result changes with the seed is checked as random.
-SOMETIMES_RANDOM_ENTRIES = {"nn.functional.scaled_dot_product_attention", "nn.functional.multi_head_attention_forward"}
+# Entries random for the samples with a dropout probability above zero (in training), as the
+# database's own skips say; their position among the positional arguments, if any.
+DROPOUT_ENTRIES = {"nn.functional.scaled_dot_product_attention": None, "nn.functional.multi_head_attention_forward": 9}
 
 # torch tests whose skip/xfail metadata applies to each phase of this sweep. test_compare_cpu is
 # torch's own device-against-CPU comparison; test_variant_consistency_eager's skips mark samples
@@ -148,7 +148,7 @@ def database_verdict(op, dtype, phase):
     """What OpInfo itself says about this entry, dtype and phase: (skip reason or None, xfail?)."""
     tests = FORWARD_TESTS if phase == FORWARD else BACKWARD_TESTS
     skip_tests = tests + (FORWARD_SKIP_ONLY_TESTS if phase == FORWARD else ())
-    if phase == FORWARD and _mode(op) != "values":
+    if phase == FORWARD and (_mode(op) != "values" or entry_name(op) in DROPOUT_ENTRIES):
         # torch skips comparing values of random entries and of uninitialized memory; this sweep
         # checks their shapes, dtypes and reproducibility instead.
         tests = skip_tests = ()
@@ -202,13 +202,14 @@ def _default_tolerance(dtype):
 class _Outcome:
     """The result of one sample: compared (ok or not), or not counted (torch's reference raised)."""
 
-    __slots__ = ("actual", "counted", "detail", "fallbacks", "kind", "ok", "ops", "random")
+    __slots__ = ("actual", "counted", "culprit", "detail", "fallbacks", "kind", "ok", "ops", "random")
 
     def __init__(self, counted=True, ok=True, kind="", detail="", random=False):
         self.counted, self.ok, self.kind, self.detail, self.random = counted, ok, kind, detail, random
         self.fallbacks = []
         self.ops = {}
         self.actual = None  # the bridge's result, kept to judge a mismatch against float64
+        self.culprit = ""  # the first ATen op that went wrong (see harness.FirstDivergence)
 
 
 def _not_counted():
@@ -226,8 +227,22 @@ def _bridge_arguments(sample, keep_grad=False, memo=None):
     return moved_input, moved_args, harness.bridge_kwargs(moved_kwargs), memo
 
 
+def _sample_mode(op, sample, mode):
+    """"random" for a sample of a dropout entry that drops (see DROPOUT_ENTRIES), else `mode`."""
+    name = entry_name(op)
+    if name not in DROPOUT_ENTRIES:
+        return mode
+    probability = sample.kwargs.get("dropout_p")
+    position = DROPOUT_ENTRIES[name]
+    if probability is None and position is not None and len(sample.args) > position:
+        probability = sample.args[position]
+    drops = isinstance(probability, (int, float)) and probability > 0 and sample.kwargs.get("training", True)
+    return "random" if drops else mode
+
+
 def _forward_sample(op, sample, dtype, mode):
-    """mode: "values", "random", "uninitialized" or "sometimes_random"."""
+    """mode: "values", "random" or "uninitialized"."""
+    mode = _sample_mode(op, sample, mode)
     first = _bridge_arguments(sample)
     second = _bridge_arguments(sample) if mode != "values" else None
     try:
@@ -253,6 +268,8 @@ def _forward_sample(op, sample, dtype, mode):
     outcome.fallbacks, outcome.ops = counting.fallbacks, counting.ops
     if outcome.kind == "mismatch" and mode == "values" and not isinstance(expected, _TieTolerant):
         _arbitrate(outcome, expected, lambda: _precise_forward(op, sample))
+    if not outcome.ok and outcome.kind in DIAGNOSED:
+        _diagnose(outcome, lambda: run(_bridge_arguments(sample)))
     return outcome
 
 
@@ -272,8 +289,6 @@ def _compare_forward(outcome, run, first, second, expected, op, dtype, mode):
             except AssertionError as error:
                 outcome.ok, outcome.kind = False, "reproducibility"
                 outcome.detail = "not reproducible under torch.manual_seed: " + harness.mismatch_summary(error)
-        else:
-            _sometimes_random(actual, expected, second, run, op, dtype, outcome)
     except harness.SampleTimeout:
         raise
     except harness.NotOnBridge as error:
@@ -341,24 +356,6 @@ class _TieTolerant:
             raise AssertionError(f"{where}: the indices point at other values: " + harness.mismatch_summary(error)) from None
 
 
-def _sometimes_random(actual, expected, second, run, op, dtype, outcome):
-    try:
-        harness.compare(actual, expected, tolerance(op, dtype))
-        return
-    except AssertionError:
-        pass
-    other = run(second, OTHER_SEED)
-    try:
-        harness.compare_exact(other, actual)
-    except AssertionError:
-        # The result depends on the seed: a random sample (dropout). Check it as one.
-        outcome.random = True
-        harness.compare_structure(actual, expected)
-        harness.compare_exact(run(second), actual)
-        return
-    harness.compare(actual, expected, tolerance(op, dtype))
-
-
 def _differentiable_positions(leaves):
     return [
         position
@@ -369,6 +366,7 @@ def _differentiable_positions(leaves):
 
 def _backward_sample(op, sample, dtype, mode):
     """Backward a fixed random cotangent through the differentiable outputs; compare input grads."""
+    mode = _sample_mode(op, sample, mode)
     leaves, seen = [], set()
     for value in pytree.tree_leaves((sample.input, sample.args, sample.kwargs)):
         if isinstance(value, torch.Tensor) and value.requires_grad and id(value) not in seen:
@@ -425,6 +423,8 @@ def _backward_sample(op, sample, dtype, mode):
     outcome.fallbacks, outcome.ops = counting.fallbacks, counting.ops
     if outcome.kind == "mismatch" and mode == "values":
         _arbitrate(outcome, expected, lambda: _precise_backward(function, sample, leaves, positions, cotangents))
+    if not outcome.ok and outcome.kind in DIAGNOSED:
+        _diagnose(outcome, lambda: run(_bridge_arguments(sample, keep_grad=True)))
     return outcome
 
 
@@ -441,8 +441,6 @@ def _compare_backward(outcome, run, first, second, expected, op, dtype, mode):
                 except AssertionError as error:
                     outcome.ok, outcome.kind = False, "reproducibility"
                     outcome.detail = "gradients not reproducible under torch.manual_seed: " + harness.mismatch_summary(error)
-        else:
-            _sometimes_random(actual, expected, second, run, op, dtype, outcome)
     except harness.SampleTimeout:
         raise
     except _GraphLost as error:
@@ -495,6 +493,24 @@ def _precise_backward(function, sample, leaves, positions, cotangents):
     return [torch.zeros_like(memo[id(leaf)]) if grad is None else grad for grad, leaf in zip(grads, leaves)]
 
 
+# Failures worth a second run that names the first ATen op to go wrong.
+DIAGNOSED = ("mismatch", "shape", "dtype", "error", "device")
+
+
+def _diagnose(outcome, rerun):
+    divergence = harness.FirstDivergence()
+    try:
+        with divergence:
+            rerun()
+    except harness.SampleTimeout:
+        raise
+    except Exception:  # noqa: BLE001 - the failure itself, seen again
+        pass
+    if divergence.found:
+        outcome.culprit = divergence.found
+        outcome.detail = f"{outcome.detail} | first op to go wrong: {divergence.found}"
+
+
 def _arbitrate(outcome, expected, precise):
     """Tell rounding from error (see harness.judge_against_float64)."""
     try:
@@ -517,8 +533,6 @@ def _mode(op):
         return "uninitialized"
     if name in RANDOM_ENTRIES or op.name in RANDOM_ENTRIES:
         return "random"
-    if name in SOMETIMES_RANDOM_ENTRIES:
-        return "sometimes_random"
     return "values"
 
 
