@@ -306,20 +306,33 @@ def _normalize(detail):
 
 
 def failure_groups(records):
-    """Failures grouped by cause: (kind, first ATen op to go wrong, normalized message) -> entries,
-    biggest first."""
+    """What keeps entries from passing (listed expected failures included), grouped by cause:
+    (kind, first ATen op to go wrong, normalized message), biggest first."""
     groups = collections.defaultdict(list)
     for record in records:
-        if record["status"] not in (harness.FAIL, harness.TIMEOUT):
+        if record["status"] not in NOT_PASSING:
             continue
-        culprit = re.search(r"first op to go wrong: (aten\.[\w.]+)", record["detail"])
-        cause = _normalize(record["detail"])
+        detail = record["detail"]
+        observed = re.search(r"\(observed: (.*)\)$", detail)
+        if observed:
+            detail = observed.group(1)
+        culprit = re.search(r"first op to go wrong: (aten\.[\w.]+)", detail)
+        cause = _normalize(detail)
         if culprit:
             cause = f"{culprit.group(1)}: {cause}"
-        key = (record["kind"] or record["status"], cause)
-        groups[key].append(f"{record['entry']} {record['dtype']}/{record['phase']}")
+        groups[(record["kind"] or record["status"], cause)].append(record)
     ordered = sorted(groups.items(), key=lambda item: -len(item[1]))
-    return [{"kind": kind, "cause": cause, "count": len(items), "examples": items[:12]} for (kind, cause), items in ordered]
+    return [
+        {
+            "kind": kind,
+            "cause": cause,
+            "count": len(items),
+            "listed": sum(1 for record in items if record["status"] == harness.EXPECTED_FAILURE),
+            "entries": len({record["entry"] for record in items}),
+            "examples": [f"{r['entry']} {r['dtype']}/{r['phase']}" for r in items[:12]],
+        }
+        for (kind, cause), items in ordered
+    ]
 
 
 def fallback_groups(records):
@@ -642,9 +655,13 @@ def write_markdown(report, path):
     for key, title in (("opinfo_failure_groups", "OpInfo failures by cause"), ("moduleinfo_failure_groups", "ModuleInfo failures by cause")):
         if report.get(key):
             out.append(f"## {title}\n")
-            out.append("| count | kind | cause | examples |\n|---|---|---|---|")
+            out.append("Listed expected failures included (column 'listed'); the cause names the first ATen op whose result differed from eager torch where the sweep could find it.\n")
+            out.append("| records | entries | listed | kind | cause | examples |\n|---|---|---|---|---|---|")
             for group in report[key]:
-                out.append(f"| {group['count']} | {group['kind']} | {_md_escape(group['cause'])} | {_md_escape(', '.join(group['examples'][:6]))} |")
+                out.append(
+                    f"| {group['count']} | {group['entries']} | {group['listed']} | {group['kind']} | "
+                    f"{_md_escape(group['cause'])} | {_md_escape(', '.join(group['examples'][:6]))} |"
+                )
             out.append("")
     if report.get("opinfo_cpu_fallbacks"):
         out.append("## ATen ops that ran through the CPU fallback in the OpInfo sweep\n")

@@ -130,10 +130,20 @@ def render(report, headline, legend, marks, short_dtypes, status_order):
         if report.get(key):
             out.append(f"<h2>{_escape(title)}</h2>")
             rows = [
-                (" ".join(group["examples"]) + " " + group["cause"], [f"<span class='num'>{group['count']}</span>", _escape(group["kind"]), f"<span class='mono'>{_escape(group['cause'])}</span>", _escape(", ".join(group["examples"][:8]))])
+                (
+                    " ".join(group["examples"]) + " " + group["cause"],
+                    [
+                        str(group["count"]),
+                        str(group["entries"]),
+                        str(group["listed"]),
+                        _escape(group["kind"]),
+                        f"<span class='mono'>{_escape(group['cause'])}</span>",
+                        _escape(", ".join(group["examples"][:8])),
+                    ],
+                )
                 for group in report[key]
             ]
-            out.append(_table(key, ["count", "kind", "cause", "examples"], rows))
+            out.append(_table(key, ["records", "entries", "listed", "kind", "cause", "examples"], rows))
     if report.get("opinfo_cpu_fallbacks"):
         out.append("<h2>ATen ops that ran through the CPU fallback</h2>")
         rows = [(group["op"] + " " + " ".join(group["examples"]), [f"<code>{_escape(group['op'])}</code>", str(group["entries"]), _escape(", ".join(group["examples"]))]) for group in report["opinfo_cpu_fallbacks"]]
