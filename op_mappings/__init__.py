@@ -33,4 +33,8 @@ from . import (  # noqa: F401  (imported for their registrations)
     foreach,
     prims,
     amp,
+    fft,
+    factorizations,
+    special,
+    distances,
 )
