@@ -8,6 +8,7 @@ import time
 
 import jax
 import torch
+from torch.nn.parameter import UninitializedTensorMixin, is_lazy
 
 from runtime import devices
 from runtime.config import settings
@@ -32,6 +33,8 @@ def tensor_to(wrapped, instance, args, kwargs):
     if index is None:
         return wrapped(*args, **kwargs)
     tensor = instance if dtype is None or dtype == instance.dtype else instance.to(dtype)
+    if is_lazy(instance):
+        return _lazy_to(instance, tensor, index)
     return to_bridge_autograd(tensor, index)
 
 
@@ -41,7 +44,40 @@ def tensor_cuda(wrapped, instance, args, kwargs):
     index = devices.current_index() if device is None else devices.bridge_index(device)
     if index is None:
         index = torch.device(device).index or 0
+    if is_lazy(instance):
+        return _lazy_to(instance, instance, index)
     return to_bridge_autograd(instance, index)
+
+
+# Lazy modules (nn.LazyLinear, ...): torch moves an UninitializedParameter/Buffer uninitialized
+# and materializes it on the first forward, on the device of its (empty) data. Torch forbids
+# reading that data, so it cannot become a bridge tensor: the bridge device is remembered on
+# the uninitialized tensor instead, and `materialize` creates the tensor there.
+_LAZY_INDEX = "_bridge_lazy_index"
+
+
+def _lazy_to(instance, moved, index):
+    setattr(instance, _LAZY_INDEX, index)
+    setattr(moved, _LAZY_INDEX, index)
+    return moved
+
+
+@wrap(UninitializedTensorMixin, "materialize")
+def lazy_materialize(wrapped, instance, args, kwargs):
+    def parse(shape, device=None, dtype=None):
+        return shape, device, dtype
+
+    shape, device, dtype = parse(*args, **kwargs)
+    if device is None and getattr(instance, _LAZY_INDEX, None) is not None:
+        device = devices.torch_device(getattr(instance, _LAZY_INDEX))
+    if device is None or devices.bridge_index(device) is None:
+        return wrapped(*args, **kwargs)
+    value = torch.empty(shape, device=device, dtype=dtype or instance.data.dtype)
+    if instance.cls_to_become is torch.nn.Parameter:
+        value = torch.nn.Parameter(value, requires_grad=instance.requires_grad)
+    # torch turns the object itself into the materialized tensor (modules hold it); a bridge
+    # tensor is another Python type, so the two objects are swapped, as Module.to does.
+    torch.utils.swap_tensors(instance, value)
 
 
 @wrap(torch.Tensor, "pin_memory")
