@@ -103,18 +103,6 @@ OPINFO = {
     "polar": [ExpectedFailure("bug in the aten.polar mapping: polar(1., .5) gives 0.479+0j (sin(.5) as the real part)", F32_F64)],
     "cov": [ExpectedFailure("torch's decomposition of cov ends in aten.complex(real, 0): " + COMPLEX_REAL_PART, (torch.complex64,), FORWARD)],
     "corrcoef": [ExpectedFailure("goes through cov: " + COMPLEX_REAL_PART, (torch.complex64,), FORWARD)],
-    "digamma": [ExpectedFailure("bug in the aten.digamma mapping: NaN at 0 where torch gives -inf", INTEGERS_AND_BOOL, FORWARD)],
-    "special.bessel_j0": [
-        ExpectedFailure("bug in the aten.special_bessel_j0 mapping: NaN for some finite inputs", (torch.float32,) + INTEGERS_AND_BOOL, FORWARD),
-        ExpectedFailure(
-            "the aten.special_bessel_j0 mapping is accurate to about 2e-7 in float64 (torch's tolerance is 1e-7)",
-            (torch.float64,),
-            FORWARD,
-        ),
-    ],
-    "special.bessel_j1": [
-        ExpectedFailure("bug in the aten.special_bessel_j1 mapping: NaN for some finite inputs", (torch.float32,) + INTEGERS_AND_BOOL, FORWARD)
-    ],
     "nn.functional.pad.replicate_negative": [
         ExpectedFailure("bug in the aten.replication_pad2d mapping: negative padding raises \"index can't contain negative values\"")
     ],

@@ -227,7 +227,6 @@ _FLOAT_UNARY = {
     aten.sigmoid.default: jax.nn.sigmoid,
     aten.logit.default: _logit,
     aten.lgamma.default: lax.lgamma,
-    aten.digamma.default: lax.digamma,
 }
 
 for _op, _function in _FLOAT_UNARY.items():
