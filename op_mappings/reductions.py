@@ -9,6 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 import torch
+from jax import lax
 
 from runtime.registry import aten, jnp_dtype, register_mapping
 
@@ -293,3 +294,335 @@ def norm(self, p=2, *, dtype=None):
 @register_mapping(aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype)
 def norm_dim(self, p, dim, keepdim=False, *, dtype=None):
     return linalg_vector_norm(self, 2 if p is None else p, dim, keepdim, dtype=dtype)
+
+
+# ---------------------------------------------------------------- order statistics: median, mode
+
+
+def _flat_sorted(self):
+    """The elements in ascending order with NaNs last, and how many are not NaN."""
+    flat = self.reshape(-1)
+    valid = jnp.sum(~jnp.isnan(flat)) if jnp.issubdtype(flat.dtype, jnp.inexact) else flat.size
+    return jnp.sort(flat), valid
+
+
+@register_mapping(aten.median.default)
+def median(self):
+    # torch returns the lower of the two middle values, and NaN if there is any NaN.
+    ordered, valid = _flat_sorted(self)
+    if ordered.size == 0:
+        return jnp.full((), jnp.nan, dtype=self.dtype)
+    middle = ordered[(ordered.size - 1) // 2]
+    return jnp.where(valid < ordered.size, jnp.asarray(jnp.nan, self.dtype), middle) if _has_nan(self) else middle
+
+
+@register_mapping(aten.nanmedian.default)
+def nanmedian(self):
+    ordered, valid = _flat_sorted(self)
+    if ordered.size == 0:
+        return jnp.full((), jnp.nan, dtype=self.dtype)
+    return ordered[jnp.maximum(valid - 1, 0) // 2]
+
+
+def _has_nan(array):
+    return jnp.issubdtype(array.dtype, jnp.inexact)
+
+
+def _median_along(self, dim, keepdim, ignore_nan):
+    if self.ndim == 0:
+        return self, jnp.zeros((), dtype=jnp.int64)
+    dim = dim % self.ndim
+    moved = jnp.moveaxis(self, dim, -1)
+    order = jnp.argsort(moved, axis=-1, stable=True)  # NaNs last
+    ordered = jnp.take_along_axis(moved, order, axis=-1)
+    size = moved.shape[-1]
+    if _has_nan(self):
+        nans = jnp.isnan(moved)
+        valid = size - jnp.sum(nans, axis=-1, keepdims=True)
+    else:
+        nans, valid = None, jnp.full(moved.shape[:-1] + (1,), size)
+    # C++'s (valid - 1) / 2 truncates towards zero: 0 for an all-NaN row.
+    position = jnp.maximum(valid - 1, 0) // 2 if ignore_nan else jnp.full_like(valid, (size - 1) // 2)
+    values = jnp.take_along_axis(ordered, position, axis=-1)
+    indices = jnp.take_along_axis(order, position, axis=-1)
+    if nans is not None and not ignore_nan:
+        # median: NaN and the index of the first NaN wherever a row has one.
+        has_nan = valid < size
+        first_nan = jnp.argmax(nans, axis=-1, keepdims=True)
+        values = jnp.where(has_nan, jnp.asarray(jnp.nan, self.dtype), values)
+        indices = jnp.where(has_nan, first_nan, indices)
+    values, indices = values[..., 0], indices[..., 0].astype(jnp.int64)
+    if keepdim:
+        values, indices = jnp.expand_dims(values, dim), jnp.expand_dims(indices, dim)
+    return values, indices
+
+
+@register_mapping(aten.median.dim)
+def median_dim(self, dim, keepdim=False):
+    return _median_along(self, dim, keepdim, ignore_nan=False)
+
+
+@register_mapping(aten.nanmedian.dim)
+def nanmedian_dim(self, dim, keepdim=False):
+    return _median_along(self, dim, keepdim, ignore_nan=True)
+
+
+@register_mapping(aten.mode.default)
+def mode(self, dim=-1, keepdim=False):
+    """The most frequent value (the smallest of equally frequent ones) and its last index."""
+    if self.ndim == 0:
+        return self, jnp.zeros((), dtype=jnp.int64)
+    dim = dim % self.ndim
+    moved = jnp.moveaxis(self, dim, -1)
+    size = moved.shape[-1]
+    if size == 0:
+        shape = moved.shape[:-1]
+        values, indices = jnp.zeros(shape, self.dtype), jnp.zeros(shape, jnp.int64)
+    else:
+        order = jnp.argsort(moved, axis=-1, stable=True)
+        ordered = jnp.take_along_axis(moved, order, axis=-1)
+        positions = jnp.arange(size)
+        same_as_previous = jnp.concatenate(
+            [jnp.zeros(ordered.shape[:-1] + (1,), bool), ordered[..., 1:] == ordered[..., :-1]], axis=-1
+        )
+        same_as_next = jnp.concatenate(
+            [ordered[..., 1:] == ordered[..., :-1], jnp.zeros(ordered.shape[:-1] + (1,), bool)], axis=-1
+        )
+        run_start = lax.cummax(jnp.where(same_as_previous, 0, positions), axis=ordered.ndim - 1)
+        run_end = lax.cummin(jnp.where(same_as_next, size, positions), axis=ordered.ndim - 1, reverse=True)
+        counts = run_end - run_start + 1
+        best_start = jnp.argmax(counts, axis=-1, keepdims=True)  # the first run of the largest count
+        best_end = jnp.take_along_axis(run_end, best_start, axis=-1)
+        values = jnp.take_along_axis(ordered, best_start, axis=-1)[..., 0]
+        # The stable sort keeps equal values in their order: the run's end is the last occurrence.
+        indices = jnp.take_along_axis(order, best_end, axis=-1)[..., 0].astype(jnp.int64)
+    if keepdim:
+        values, indices = jnp.expand_dims(values, dim), jnp.expand_dims(indices, dim)
+    return values, indices
+
+
+# ---------------------------------------------------------------- running extrema
+
+
+def _running_extremum(self, dim, later_wins):
+    """values and indices of cummax/cummin: ties go to the later element, and NaN beats every number
+    (a later NaN beats an earlier one), as torch's kernels compare."""
+    if self.ndim == 0:
+        return self, jnp.zeros((), dtype=jnp.int64)
+    dim = dim % self.ndim
+    shape = [1] * self.ndim
+    shape[dim] = self.shape[dim]
+    indices = jnp.broadcast_to(jnp.arange(self.shape[dim], dtype=jnp.int64).reshape(shape), self.shape)
+
+    def combine(earlier, later):
+        earlier_values, earlier_indices = earlier
+        later_values, later_indices = later
+        take_later = later_wins(earlier_values, later_values)
+        if _has_nan(earlier_values):
+            take_later = jnp.isnan(later_values) | (~jnp.isnan(earlier_values) & take_later)
+        return jnp.where(take_later, later_values, earlier_values), jnp.where(take_later, later_indices, earlier_indices)
+
+    if self.shape[dim] == 0:
+        return self, indices
+    return lax.associative_scan(combine, (self, indices), axis=dim)
+
+
+@register_mapping(aten.cummax.default)
+def cummax(self, dim):
+    return _running_extremum(self, dim, lambda earlier, later: later >= earlier)
+
+
+@register_mapping(aten.cummin.default)
+def cummin(self, dim):
+    return _running_extremum(self, dim, lambda earlier, later: later <= earlier)
+
+
+# ---------------------------------------------------------------- comparisons returning Python bools
+
+
+@register_mapping(aten.equal.default)
+def equal(self, other):
+    # A Python bool is a host value by nature: this entry reads the device once.
+    if self.shape != other.shape:
+        return False
+    return bool(jnp.all(self == other))
+
+
+@register_mapping(aten.allclose.default)
+def allclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False):
+    return bool(jnp.all(jnp.isclose(self, other, rtol=rtol, atol=atol, equal_nan=equal_nan)))
+
+
+# ---------------------------------------------------------------- hashing
+
+
+@register_mapping(aten.hash_tensor.default)
+def hash_tensor(self, dim=(), *, keepdim=False, mode=0):
+    # mode 0: xor of the elements' 64-bit patterns (floats as float64, integers as int64).
+    wide = self.astype(jnp.float64) if jnp.issubdtype(self.dtype, jnp.floating) else self.astype(jnp.int64)
+    bits = lax.bitcast_convert_type(wide, jnp.uint64)
+    axes = _axes(self, dim)
+    axes = tuple(range(self.ndim)) if axes is None else tuple(axis % self.ndim for axis in axes)
+    hashed = lax.reduce(bits, jnp.uint64(0), lax.bitwise_xor, axes)
+    if keepdim:
+        hashed = jnp.expand_dims(hashed, axes)
+    return hashed
+
+
+# ---------------------------------------------------------------- histograms and counts
+
+_range = range  # _histogramdd takes an argument named range
+
+
+def _torch_linspace(start, end, steps, dtype):
+    """torch's linspace: from the start for the first half of the points, from the end for the rest."""
+    start, end = jnp.asarray(start, dtype), jnp.asarray(end, dtype)
+    if steps == 1:
+        return start.reshape(1)
+    step = (end - start) / (steps - 1)
+    index = jnp.arange(steps)
+    from_start = start + index.astype(dtype) * step
+    from_end = end - (steps - 1 - index).astype(dtype) * step
+    return jnp.where(index < steps // 2, from_start, from_end)
+
+
+def _bin_positions(values, edges, local_search):
+    """torch's bin of each value (-1 outside the edges): linear interpolation between the outer
+    edges, corrected against the neighbouring edges for histogram (not for histc)."""
+    count = edges.shape[0]
+    left, right = edges[0], edges[-1]
+    inside = (values >= left) & (values <= right)
+    position = ((values - left) * (count - 1) / (right - left)).astype(jnp.int64)
+    position = jnp.clip(position, 0, count - 1)
+    if local_search:
+        low = jnp.maximum(position - 1, 0)
+        high = jnp.minimum(position + 2, count)
+        window = low[..., None] + jnp.arange(3)
+        window_edges = edges[jnp.clip(window, 0, count - 1)]
+        at_or_below = (window < high[..., None]) & (window_edges <= values[..., None])
+        position = low + jnp.sum(at_or_below, axis=-1) - 1
+    position = jnp.where(position == count - 1, position - 1, position)
+    return jnp.where(inside, position, -1)
+
+
+def _outer_edges(values, low, high, widen):
+    """The outer edges: the given range, else the data's; an empty range widened by `widen` each side."""
+    if low is None or low == high:
+        low, high = jnp.min(values), jnp.max(values)
+    else:
+        low, high = jnp.asarray(low, values.dtype), jnp.asarray(high, values.dtype)
+    same = low == high
+    return jnp.where(same, low - widen, low), jnp.where(same, high + widen, high)
+
+
+def _count_bins(positions, bins, weights, dtype):
+    """Sum of the weights (or counts) per flat bin; positions of -1 are dropped."""
+    contributions = jnp.ones(positions.shape, dtype) if weights is None else weights.astype(dtype)
+    contributions = jnp.where(positions >= 0, contributions, jnp.zeros((), dtype))
+    return jnp.zeros((bins,), dtype).at[jnp.maximum(positions, 0)].add(contributions)
+
+
+@register_mapping(aten.histc.default)
+def histc(self, bins=100, min=0, max=0):
+    values = self.reshape(-1)
+    compute = _accumulator(self.dtype)
+    low, high = _outer_edges(values.astype(compute), min, max, 1)
+    edges = _torch_linspace(low, high, bins + 1, compute)
+    positions = _bin_positions(values.astype(compute), edges, local_search=False)
+    return _count_bins(positions, bins, None, compute).astype(self.dtype)
+
+
+def _histogramdd(self, bins, range, weight, density):
+    """Edges per dimension and the histogram of the rows of `self` (its last dim is the number of dims)."""
+    dims = self.shape[-1]
+    points = self.reshape(-1, dims)
+    edges, flat, stride = [], jnp.zeros(points.shape[0], jnp.int64), 1
+    inside = jnp.ones(points.shape[0], bool)
+    for dim in reversed(_range(dims)):
+        low, high = (None, None) if range is None else (range[2 * dim], range[2 * dim + 1])
+        left, right = _outer_edges(points[:, dim], low, high, 0.5)
+        dim_edges = _torch_linspace(left, right, bins[dim] + 1, self.dtype)
+        positions = _bin_positions(points[:, dim], dim_edges, local_search=True)
+        inside = inside & (positions >= 0)
+        flat = flat + positions * stride
+        stride *= bins[dim]
+        edges.insert(0, dim_edges)
+    weights = None if weight is None else weight.reshape(-1)
+    hist = _count_bins(jnp.where(inside, flat, -1), stride, weights, self.dtype).reshape(tuple(bins))
+    if density:
+        total = jnp.sum(hist)
+        for dim, dim_edges in enumerate(edges):
+            shape = [1] * dims
+            shape[dim] = bins[dim]
+            hist = hist / (dim_edges[1:] - dim_edges[:-1]).reshape(shape)
+        hist = hist / total
+    return edges, hist
+
+
+
+@register_mapping(aten.histogram.bin_ct)
+def histogram(self, bins=100, *, range=None, weight=None, density=False):
+    edges, hist = _histogramdd(self.reshape(-1, 1), [bins], range, None if weight is None else weight.reshape(-1), density)
+    return hist, edges[0]
+
+
+@register_mapping(aten._histogramdd_bin_edges.default)
+def histogramdd_bin_edges(self, bins, *, range=None, weight=None, density=False):
+    return _histogramdd(self, bins, range, weight, density)[0]
+
+
+@register_mapping(aten._histogramdd_from_bin_cts.default)
+def histogramdd_from_bin_counts(self, bins, *, range=None, weight=None, density=False):
+    return _histogramdd(self, bins, range, weight, density)[1]
+
+
+@register_mapping(aten.bincount.default)
+def bincount(self, weights=None, minlength=0):
+    # The output's length is max(self) + 1: data-dependent by nature (torch has no meta kernel for
+    # it either), so this entry reads the maximum on the host once and runs eagerly.
+    size = minlength if self.size == 0 else max(int(jnp.max(self)) + 1, minlength)
+    if weights is None:
+        return jnp.zeros((size,), jnp.int64).at[self].add(1)
+    dtype = weights.dtype if weights.dtype in (jnp.float32, jnp.float64) else jnp.float64
+    return jnp.zeros((size,), dtype).at[self].add(weights.astype(dtype))
+
+
+
+# ---------------------------------------------------------------- index_reduce
+
+
+@register_mapping(aten.index_reduce.default)
+def index_reduce(self, dim, index, source, reduce, *, include_self=True):
+    if self.ndim == 0:
+        self, source = self.reshape(1), source.reshape(1)
+        squeeze = True
+    else:
+        squeeze = False
+    dim = dim % self.ndim
+    target = jnp.moveaxis(self, dim, 0)
+    values = jnp.moveaxis(source, dim, 0)
+    index = index.reshape(-1)
+    touched = jnp.zeros(target.shape[0], bool).at[index].set(True).reshape((-1,) + (1,) * (target.ndim - 1))
+    integral = _is_integral(self)
+    if reduce == "prod":
+        start = target if include_self else jnp.where(touched, jnp.ones((), self.dtype), target)
+        result = start.at[index].multiply(values)
+    elif reduce in ("amax", "amin"):
+        if integral:
+            info = jnp.iinfo(self.dtype)
+            identity = info.min if reduce == "amax" else info.max
+        else:
+            identity = -jnp.inf if reduce == "amax" else jnp.inf
+        start = target if include_self else jnp.where(touched, jnp.asarray(identity, self.dtype), target)
+        result = start.at[index].max(values) if reduce == "amax" else start.at[index].min(values)
+    elif reduce == "mean":
+        start = target if include_self else jnp.where(touched, jnp.zeros((), self.dtype), target)
+        total = start.at[index].add(values)
+        counts = jnp.zeros(target.shape[0], self.dtype).at[index].add(jnp.ones((), self.dtype))
+        counts = counts + (1 if include_self else 0)
+        counts = jnp.where(counts == 0, jnp.ones((), self.dtype), counts).reshape(touched.shape)
+        result = jnp.floor_divide(total, counts) if integral else (total / counts).astype(self.dtype)
+    else:
+        raise ValueError(f"index_reduce(): unknown reduce {reduce!r}; torch takes prod, mean, amax or amin")
+    result = jnp.moveaxis(result, 0, dim)
+    return result.reshape(()) if squeeze else result
