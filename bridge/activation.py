@@ -16,6 +16,7 @@ SURFACES = (
     "bridge.patches.optim",
     "bridge.patches.serialization",
     "bridge.patches.amp",
+    "bridge.patches.capture",
 )
 
 _PLATFORMS = {"auto": None, "cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}

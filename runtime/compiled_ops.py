@@ -85,7 +85,7 @@ class CompiledEntry:
         self.enabled = _returns_only_tensors(op)
 
     def __call__(self, values, keywords):
-        if not (self.enabled and settings.compile_ops):
+        if not (self.enabled and settings.compile_ops) or settings.tracing:
             return self.call(*values, **keywords)
         arrays = []
         positional_spec = tuple(_spec(value, arrays) for value in values)

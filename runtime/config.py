@@ -16,8 +16,17 @@ class Settings:
         self.platform = None
         # Run each table entry as one compiled XLA call (runtime/compiled_ops.py).
         self.compile_ops = os.environ.get("BRIDGE_COMPILE_OPS", "1") != "0"
+        # Execution mode: "captured" (regions run as compiled programs) or "eager" (op by op).
+        self.mode = os.environ.get("BRIDGE_MODE", "captured")
+        # Depth of region traces in progress (runtime/capture.py); table entries then run inline.
+        self.tracing = 0
         # The name scripts see for bridge devices.
         self.device_type = "cuda"
+
+
+    @property
+    def capture(self):
+        return self.mode == "captured"
 
 
 settings = Settings()

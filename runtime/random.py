@@ -20,6 +20,13 @@ def get_seed():
     return _state["seed"]
 
 
+def current_key():
+    """The generator's key, without advancing it (what a captured program takes and returns)."""
+    if _state["key"] is None:
+        _state["key"] = jax.random.key(np.uint64(_state["seed"]) if _state["seed"] >= 2**63 else _state["seed"])
+    return _state["key"]
+
+
 def next_key():
     """A fresh key for one random op; advances the state."""
     key = _state["key"]

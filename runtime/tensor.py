@@ -192,8 +192,14 @@ def _parse_to(args, kwargs):
     return device, dtype, non_blocking, copy, memory_format
 
 
+# Set by runtime/capture.py: called with every tensor read or written while a region is traced.
+trace_hook = None
+
+
 def read_value(tensor):
     """The current jax.Array of a bridge tensor, recomputing a view whose root changed."""
+    if trace_hook is not None:
+        trace_hook(tensor)
     root = tensor._root
     if root is None or tensor._seen == root._generation:
         return tensor._value
@@ -211,6 +217,8 @@ def read_value(tensor):
 
 def write_value(tensor, value):
     """Replace a tensor's contents (an in-place op's result), through views into the root."""
+    if trace_hook is not None:
+        trace_hook(tensor)
     root = tensor._root
     if root is None:
         tensor._value = value

@@ -1,0 +1,304 @@
+"""Captured mode's entry points into unmodified scripts (ARCHITECTURE.md, "Execution modes").
+
+- Module calls: the outermost `nn.Module` call on bridge tensors runs as a captured region
+  (runtime/capture.py): its forward is one XLA program, its backward another. A module that
+  cannot be captured (a graph break, hooks that must run in Python) runs its own Python,
+  and its submodules are captured in its place.
+- `torch.compile(model_or_fn)` returns a captured region of the module or function;
+  `fullgraph=True` turns a graph break into an error.
+- Optimizer steps: Adam, AdamW and SGD update all parameters of a step in one program
+  (runtime/optimizers.py) in place of torch's per-tensor ops.
+
+Everything here is inert in eager mode (`--mode eager`, BRIDGE_MODE=eager).
+"""
+
+import importlib
+import inspect
+import weakref
+
+import numpy as np
+import torch
+
+from runtime import capture, optimizers
+from runtime.config import settings
+from runtime.tensor import BridgeTensor, read_value, write_value
+
+from . import Patch
+
+# ---------------------------------------------------------------- module calls
+
+_regions = weakref.WeakKeyDictionary()  # module -> _ModuleRegion
+
+
+def _has_bridge_tensor(args, kwargs):
+    for value in list(args) + list(kwargs.values()):
+        if isinstance(value, BridgeTensor):
+            return True
+        if isinstance(value, (list, tuple)) and any(isinstance(item, BridgeTensor) for item in value):
+            return True
+    return False
+
+
+def _global_hooks():
+    from torch.nn.modules import module
+
+    return any(
+        getattr(module, name, None)
+        for name in (
+            "_global_backward_hooks",
+            "_global_backward_pre_hooks",
+            "_global_forward_hooks",
+            "_global_forward_pre_hooks",
+            "_global_forward_hooks_always_called",
+        )
+    )
+
+
+def _needs_python(module):
+    """Whether a module's subtree has hooks, which must run as Python on every call."""
+    for submodule in module.modules():
+        if (
+            submodule._forward_hooks
+            or submodule._forward_pre_hooks
+            or submodule._backward_hooks
+            or submodule._backward_pre_hooks
+        ):
+            return True
+    return False
+
+
+def _state_of(module):
+    def state():
+        return [tensor for tensor in module.parameters()] + [tensor for tensor in module.buffers()]
+
+    return state
+
+
+def _module_key(module):
+    return tuple(submodule.training for submodule in module.modules())
+
+
+class _ModuleRegion:
+    """The regions of one module, one per combination of its submodules' training flags."""
+
+    def __init__(self, module, call, fullgraph=False):
+        self.module = weakref.ref(module)
+        self.call = call
+        self.fullgraph = fullgraph
+        self.by_mode = {}
+
+    def region(self, module):
+        key = _module_key(module)
+        region = self.by_mode.get(key)
+        if region is None:
+            name = f"{type(module).__name__} ({'train' if module.training else 'eval'})"
+            region = capture.Region(self.call, name, state_roots=_state_of(module), fullgraph=self.fullgraph)
+            self.by_mode[key] = region
+        return region
+
+
+def module_call(wrapped, instance, args, kwargs):
+    if (
+        not settings.capture
+        or settings.tracing
+        or instance is None
+        or type(instance) is CompiledModule
+        or not _has_bridge_tensor(args, kwargs)
+        or _global_hooks()
+    ):
+        return wrapped(*args, **kwargs)
+    entry = _regions.get(instance)
+    if entry is None:
+        if _needs_python(instance):
+            return wrapped(*args, **kwargs)
+        entry = _regions[instance] = _ModuleRegion(instance, wrapped)
+    elif _needs_python(instance):
+        return wrapped(*args, **kwargs)
+    return entry.region(instance)(*args, **kwargs)
+
+
+# ---------------------------------------------------------------- torch.compile
+
+
+class CompiledModule(torch.nn.Module):
+    """What `torch.compile(module)` returns under the bridge: like torch's OptimizedModule, it
+    holds the module as `_orig_mod` (so state_dict keys match torch's) and runs it captured."""
+
+    def __init__(self, module, fullgraph):
+        super().__init__()
+        self._orig_mod = module
+        self._bridge_region = _ModuleRegion(module, module.__call__, fullgraph=fullgraph)
+
+    def forward(self, *args, **kwargs):
+        module = self._orig_mod
+        if not settings.capture or not _has_bridge_tensor(args, kwargs):
+            return module(*args, **kwargs)
+        return self._bridge_region.region(module)(*args, **kwargs)
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["_orig_mod"], name)
+
+
+def _compile_function(function, fullgraph):
+    name = getattr(function, "__qualname__", repr(function))
+    region = capture.Region(function, name, fullgraph=fullgraph)
+
+    def compiled(*args, **kwargs):
+        return region(*args, **kwargs)
+
+    compiled.__wrapped__ = function
+    compiled._torchdynamo_orig_callable = function
+    return compiled
+
+
+def compile(model=None, *, fullgraph=False, dynamic=None, backend=None, mode=None, options=None, disable=False, **rest):
+    """torch.compile under the bridge: the region becomes one jax.jit program (see module doc).
+
+    `dynamic` and `mode` have no XLA meaning here: shapes are specialized (a new shape compiles
+    once more) and XLA chooses its own kernels. A custom `backend` cannot run on bridge tensors;
+    the region is captured by the bridge instead.
+    """
+    if model is None:
+        return lambda target: compile(
+            target, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode, options=options, disable=disable
+        )
+    if disable:
+        return model
+    if isinstance(model, torch.nn.Module):
+        return CompiledModule(model, fullgraph)
+    return _compile_function(model, fullgraph)
+
+
+# ---------------------------------------------------------------- optimizers
+
+
+def _plain_cpu(tensor):
+    return isinstance(tensor, torch.Tensor) and not isinstance(tensor, BridgeTensor) and tensor.device.type == "cpu"
+
+
+def _uniform(params):
+    """The params' dtype and device if all are bridge tensors of one real float dtype and device."""
+    if not params or not all(isinstance(p, BridgeTensor) for p in params):
+        return None
+    dtype, index = params[0].dtype, params[0]._index
+    if dtype not in (torch.float32, torch.float64):
+        return None
+    if any(p.dtype != dtype or p._index != index for p in params):
+        return None
+    return dtype
+
+
+def _bind(wrapped, args, kwargs):
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def adam(wrapped, instance, args, kwargs):
+    if not settings.capture:
+        return wrapped(*args, **kwargs)
+    a = _bind(wrapped, args, kwargs)
+    params = a["params"]
+    dtype = _uniform(params)
+    usable = (
+        dtype is not None
+        and not a.get("differentiable")
+        and not a.get("fused")
+        and not a.get("capturable")
+        and a.get("grad_scale") is None
+        and a.get("found_inf") is None
+        and not a.get("has_complex")
+        and not any(isinstance(a[name], torch.Tensor) for name in ("lr", "beta1", "beta2"))
+        and all(_plain_cpu(step) for step in a["state_steps"])
+        and all(isinstance(t, BridgeTensor) and t.dtype == dtype for t in a["grads"] + a["exp_avgs"] + a["exp_avg_sqs"])
+        and (not a["amsgrad"] or all(isinstance(t, BridgeTensor) for t in a["max_exp_avg_sqs"]))
+    )
+    if not usable:
+        return wrapped(*args, **kwargs)
+    steps = a["state_steps"]
+    torch._foreach_add_(steps, 1.0)
+    lr, beta1, beta2 = float(a["lr"]), float(a["beta1"]), float(a["beta2"])
+    numpy_dtype = np.float32 if dtype == torch.float32 else np.float64
+    counts = [step.item() for step in steps]
+    # As torch computes them, in Python floats: bias corrections, the step size, its sign.
+    step_sizes = np.array([(lr / (1 - beta1**count)) * -1 for count in counts], dtype=numpy_dtype)
+    bias2_sqrts = np.array([(1 - beta2**count) ** 0.5 for count in counts], dtype=numpy_dtype)
+    decay = np.array(1 - lr * a["weight_decay"], dtype=numpy_dtype)
+    maxes = a["max_exp_avg_sqs"] if a["amsgrad"] else []
+    new_params, new_avgs, new_sqs, new_maxes = optimizers.adam_update(
+        [read_value(t) for t in params],
+        [read_value(t) for t in a["grads"]],
+        [read_value(t) for t in a["exp_avgs"]],
+        [read_value(t) for t in a["exp_avg_sqs"]],
+        [read_value(t) for t in maxes],
+        decay,
+        step_sizes,
+        bias2_sqrts,
+        beta1=beta1,
+        beta2=beta2,
+        eps=float(a["eps"]),
+        weight_decay=float(a["weight_decay"]),
+        decoupled=bool(a.get("decoupled_weight_decay")),
+        amsgrad=bool(a["amsgrad"]),
+        maximize=bool(a["maximize"]),
+    )
+    for tensors, values in ((params, new_params), (a["exp_avgs"], new_avgs), (a["exp_avg_sqs"], new_sqs), (maxes, new_maxes)):
+        for tensor, value in zip(tensors, values):
+            write_value(tensor, value)
+    return None
+
+
+def sgd(wrapped, instance, args, kwargs):
+    if not settings.capture:
+        return wrapped(*args, **kwargs)
+    a = _bind(wrapped, args, kwargs)
+    params, grads, buffers = a["params"], a["d_p_list"], a["momentum_buffer_list"]
+    dtype = _uniform(params)
+    first = all(buffer is None for buffer in buffers)
+    usable = (
+        dtype is not None
+        and not a.get("fused")
+        and not a.get("has_sparse_grad")
+        and a.get("grad_scale") is None
+        and a.get("found_inf") is None
+        and not isinstance(a["lr"], torch.Tensor)
+        and all(isinstance(t, BridgeTensor) and t.dtype == dtype for t in grads)
+        and (first or all(isinstance(t, BridgeTensor) for t in buffers))
+    )
+    if not usable:
+        return wrapped(*args, **kwargs)
+    momentum = float(a["momentum"])
+    new_params, new_buffers = optimizers.sgd_update(
+        [read_value(t) for t in params],
+        [read_value(t) for t in grads],
+        [] if first else [read_value(t) for t in buffers],
+        np.array(a["lr"], dtype=np.float32 if dtype == torch.float32 else np.float64),
+        momentum=momentum,
+        dampening=float(a["dampening"]),
+        weight_decay=float(a["weight_decay"]),
+        nesterov=bool(a["nesterov"]),
+        maximize=bool(a["maximize"]),
+        first=first and momentum != 0,
+    )
+    for tensor, value in zip(params, new_params):
+        write_value(tensor, value)
+    if momentum != 0:
+        for i, value in enumerate(new_buffers):
+            if first:
+                buffers[i] = BridgeTensor(value, params[i]._index)  # torch: a copy of the gradient
+            else:
+                write_value(buffers[i], value)
+    return None
+
+
+PATCHES = [
+    Patch(torch.nn.Module, "__call__", wrapper=module_call),
+    Patch(torch, "compile", replacement=compile),
+    # Each optimizer module calls the functional form through its own global name.
+    Patch(importlib.import_module("torch.optim.adam"), "adam", wrapper=adam),
+    Patch(importlib.import_module("torch.optim.adamw"), "adam", wrapper=adam),
+    Patch(importlib.import_module("torch.optim.sgd"), "sgd", wrapper=sgd),
+]

@@ -1,0 +1,564 @@
+"""Captured execution: a region of torch code traced once into `jax.jit` programs, then replayed.
+
+A region is a Python callable over bridge tensors (a module's forward, a function given to
+`torch.compile`). The first call with a given structure runs the callable once with tensors
+whose values are JAX tracers: every torch op dispatches into the mapping tables as usual, and
+the result is one XLA program. Later calls with the same structure replay that program
+without running the region's Python.
+
+What a program reads and writes:
+- its inputs: the tensor arguments (fresh tensors during the trace; an input written in
+  place is written back to the caller's tensor after each run);
+- its state: the roots of parameters, buffers and any other bridge tensor the region reads
+  (found during the trace: a concrete value read while tracing means a tensor from outside
+  the region; the trace is then redone with that tensor as state); state written in place
+  (BatchNorm's running statistics) comes back as outputs and is written after each run;
+- the RNG key, so random ops draw fresh numbers on every replay.
+
+With autograd recording, the program is split into a forward that also returns the
+residuals of `jax.vjp`, and a backward program; a `torch.autograd.Function` links them to
+torch's graph, with the state tensors that require grad (parameters) as its inputs, so
+`.grad` accumulates as in eager torch. Double backward (create_graph) goes through a second
+Function that differentiates the backward program with JAX.
+
+A region whose trace fails (data-dependent Python control flow, `.item()`, an op with no
+traceable mapping) is a graph break: it is recorded with the user's line and the reason,
+and that region runs eagerly from then on.
+"""
+
+import dataclasses
+import os
+import time
+import traceback
+
+import jax
+import torch
+from torch.utils import _pytree as pytree
+
+from . import random, stats
+from . import tensor as tensor_module
+from .callsite import _is_library
+from .config import settings
+from .errors import BridgeError
+from .tensor import BridgeTensor, read_value, write_value
+
+# Programs kept per region before it is left to run eagerly (torch.compile's cache_size_limit).
+MAX_PROGRAMS = 8
+# Traces redone to take in tensors found from outside the region.
+MAX_RETRACES = 3
+
+
+class GraphBreak(BridgeError):
+    """A region could not be captured; `reason` says why, `site` where in the user's code."""
+
+    def __init__(self, reason, site=None):
+        super().__init__(reason if site is None else f"{reason} (at {site})")
+        self.reason = reason
+        self.site = site
+
+
+class _FreeTensors(Exception):
+    """Raised at the end of a trace that read tensors from outside the region."""
+
+
+# ---------------------------------------------------------------- the trace in progress
+
+_trace = None  # the _Trace being recorded, or None
+
+
+def tracing():
+    return _trace is not None
+
+
+class _Trace:
+    """Bookkeeping of one trace: which roots are state, which outside roots were touched."""
+
+    def __init__(self, roots):
+        self.known = {id(root) for root in roots}
+        self.free = {}  # id -> (root, value, generation) of outside roots, as they were
+
+    def touch(self, tensor):
+        root = tensor if tensor._root is None else tensor._root
+        key = id(root)
+        if key in self.known or key in self.free:
+            return
+        if isinstance(root._value, jax.core.Tracer):
+            return  # made inside the trace
+        self.free[key] = (root, root._value, root._generation)
+
+    def restore_free(self):
+        for root, value, generation in self.free.values():
+            root._value = value
+            root._generation = generation + 1
+
+
+def _touch(tensor):
+    if _trace is not None:
+        _trace.touch(tensor)
+
+
+# ---------------------------------------------------------------- structure of a call
+
+
+def _root(tensor):
+    return tensor if tensor._root is None else tensor._root
+
+
+def _is_float(dtype):
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def _leaf_key(leaf):
+    if isinstance(leaf, BridgeTensor):
+        return ("T", tuple(leaf.shape), leaf.dtype, leaf.requires_grad, leaf._index)
+    if isinstance(leaf, torch.Tensor):
+        raise GraphBreak("an argument is a tensor on the host CPU, not on the bridge device")
+    if isinstance(leaf, float) and leaf != leaf:
+        return (float, "nan")
+    try:
+        hash(leaf)
+    except TypeError:
+        raise GraphBreak(f"an argument of type {type(leaf).__name__} is not hashable") from None
+    return (type(leaf), leaf)
+
+
+def _context_key():
+    """What else changes a trace: grad mode, autocast, matmul precision, default dtype."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_autocast_enabled("cpu"),
+        torch.get_autocast_dtype("cpu"),
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.get_default_dtype(),
+    )
+
+
+def _state_key(roots, owners):
+    return tuple(
+        (id(root), id(owner), owner.requires_grad, root.dtype, tuple(root.shape), root._index)
+        for root, owner in zip(roots, owners)
+    )
+
+
+def describe_change(old, new):
+    """Which part of a region's key changed between two compiles, in words."""
+    names = ("argument structure, shapes or dtypes", "grad mode, autocast or precision settings", "module state")
+    parts = [name for name, before, after in zip(names, old, new) if before != after]
+    return ", ".join(parts) or "a new structure"
+
+
+# ---------------------------------------------------------------- a compiled program
+
+
+@dataclasses.dataclass
+class Program:
+    """One compiled structure of a region."""
+
+    roots: list  # state roots, in the order of the program's state arguments
+    owners: list  # per root, the tensor autograd knows (a parameter aliasing the root)
+    spec: object  # pytree spec of (args, kwargs)
+    statics: list  # the non-tensor leaves of (args, kwargs), tensors as None
+    tensor_positions: list  # positions of tensor leaves
+    input_indices: list  # bridge device ordinals of the tensor leaves
+    grad: bool  # built for autograd (split forward/backward)
+    diff_roots: list = None  # positions in roots differentiated
+    diff_inputs: list = None  # positions in tensor leaves differentiated
+    forward: object = None  # jitted
+    backward: object = None  # jitted
+    infer: object = None  # jitted, no autograd
+    out_spec: object = None
+    out_statics: list = None
+    out_tensor_positions: list = None
+    out_float: list = None  # per tensor output: differentiable (floating) or not
+    mutated_roots: list = None
+    mutated_inputs: list = None
+    index: int = 0
+    body: object = None  # the traced Python body
+    differentiable: object = None  # the body as a function of the differentiated values
+
+
+def _trace_body(function, program):
+    """The pure function of a region: (state values, input values, key) -> results."""
+
+    def body(root_values, input_values, key):
+        global _trace
+        roots = program.roots
+        saved = [(root._value, root._generation) for root in roots]
+        saved_key = random._state["key"]
+        trace = _Trace(roots)
+        previous_trace = _trace
+        try:
+            for root, value in zip(roots, root_values):
+                root._value = value
+                root._generation += 1
+            inputs = [BridgeTensor(value, index) for value, index in zip(input_values, program.input_indices)]
+            leaves = list(program.statics)
+            for position, tensor in zip(program.tensor_positions, inputs):
+                leaves[position] = tensor
+            args, kwargs = pytree.tree_unflatten(leaves, program.spec)
+            random._state["key"] = key
+            _trace = trace
+            settings.tracing += 1
+            try:
+                with torch.no_grad():
+                    result = function(*args, **kwargs)
+            finally:
+                settings.tracing -= 1
+                _trace = previous_trace
+            if trace.free:
+                raise _FreeTensors([entry[0] for entry in trace.free.values()])
+            out_leaves, out_spec = pytree.tree_flatten(result)
+            out_statics, positions, arrays = [], [], []
+            for position, leaf in enumerate(out_leaves):
+                if isinstance(leaf, BridgeTensor):
+                    positions.append(position)
+                    arrays.append(read_value(leaf))
+                    out_statics.append(None)
+                elif isinstance(leaf, torch.Tensor):
+                    raise GraphBreak("the region returns a tensor on the host CPU")
+                else:
+                    out_statics.append(leaf)
+            program.out_spec = out_spec
+            program.out_statics = out_statics
+            program.out_tensor_positions = positions
+            program.out_float = [_is_float(tensor_module.JAX_TO_TORCH[array.dtype]) for array in arrays]
+            program.mutated_roots = [
+                position for position, (root, value) in enumerate(zip(roots, root_values)) if root._value is not value
+            ]
+            program.mutated_inputs = [
+                position for position, tensor in enumerate(inputs) if tensor._generation != 0
+            ]
+            mutated = [roots[position]._value for position in program.mutated_roots]
+            written = [read_value(inputs[position]) for position in program.mutated_inputs]
+            return arrays, mutated, written, random._state["key"]
+        finally:
+            trace.restore_free()
+            for root, (value, generation) in zip(roots, saved):
+                root._value = value
+                root._generation = max(root._generation, generation) + 1
+            random._state["key"] = saved_key
+
+    return body
+
+
+def _split(values, positions):
+    chosen = set(positions)
+    return [values[i] for i in positions], [value for i, value in enumerate(values) if i not in chosen]
+
+
+def _merge(chosen, rest, positions, count):
+    merged, chosen, rest, wanted = [None] * count, iter(chosen), iter(rest), set(positions)
+    for i in range(count):
+        merged[i] = next(chosen) if i in wanted else next(rest)
+    return merged
+
+
+def _build(function, program):
+    body = _trace_body(function, program)
+    program.body = body
+    if not program.grad:
+        program.infer = jax.jit(body)
+        return
+    n_roots = len(program.roots)
+    n_inputs = len(program.tensor_positions)
+
+    def differentiable(diff_roots, diff_inputs, other_roots, other_inputs, key):
+        root_values = _merge(diff_roots, other_roots, program.diff_roots, n_roots)
+        input_values = _merge(diff_inputs, other_inputs, program.diff_inputs, n_inputs)
+        arrays, mutated, written, new_key = body(root_values, input_values, key)
+        floats = [array for array, is_float in zip(arrays, program.out_float) if is_float]
+        others = [array for array, is_float in zip(arrays, program.out_float) if not is_float]
+        return floats, (others, mutated, written, new_key)
+
+    def forward(diff_roots, diff_inputs, other_roots, other_inputs, key):
+        floats, pullback, aux = jax.vjp(
+            lambda d_roots, d_inputs: differentiable(d_roots, d_inputs, other_roots, other_inputs, key),
+            diff_roots,
+            diff_inputs,
+            has_aux=True,
+        )
+        return floats, aux, pullback
+
+    program.forward = jax.jit(forward)
+    program.backward = jax.jit(lambda pullback, cotangents: pullback(cotangents))
+    program.differentiable = differentiable
+
+
+# ---------------------------------------------------------------- running a program
+
+
+def _gather(program, input_tensors):
+    root_values = [read_value(root) for root in program.roots]
+    input_values = [read_value(tensor) for tensor in input_tensors]
+    return root_values, input_values
+
+
+def _write_back(program, input_tensors, mutated, written, new_key):
+    for position, value in zip(program.mutated_roots, mutated):
+        write_value(program.roots[position], value)
+    for position, value in zip(program.mutated_inputs, written):
+        write_value(input_tensors[position], value)
+    random._state["key"] = new_key
+
+
+def _outputs(program, arrays):
+    leaves = list(program.out_statics)
+    tensors = [BridgeTensor(array, program.index) for array in arrays]
+    for position, tensor in zip(program.out_tensor_positions, tensors):
+        leaves[position] = tensor
+    return tensors, leaves
+
+
+def run(program, input_tensors):
+    """Run a compiled program on the current values; returns the region's result."""
+    root_values, input_values = _gather(program, input_tensors)
+    key = random.current_key()
+    if not program.grad:
+        arrays, mutated, written, new_key = program.infer(root_values, input_values, key)
+        _write_back(program, input_tensors, mutated, written, new_key)
+        _, leaves = _outputs(program, arrays)
+        return pytree.tree_unflatten(leaves, program.out_spec)
+    diff_tensors = [program.owners[i] for i in program.diff_roots] + [input_tensors[i] for i in program.diff_inputs]
+    state = {"root_values": root_values, "input_values": input_values, "key": key, "inputs": input_tensors}
+    outs = _RegionFunction.apply(program, state, *diff_tensors)
+    leaves = list(program.out_statics)
+    for position, tensor in zip(program.out_tensor_positions, outs):
+        leaves[position] = tensor
+    return pytree.tree_unflatten(leaves, program.out_spec)
+
+
+class _RegionFunction(torch.autograd.Function):
+    """A captured region in torch's autograd graph: forward and backward are one program each."""
+
+    @staticmethod
+    def forward(ctx, program, state, *diff_tensors):
+        diff_roots, other_roots = _split(state["root_values"], program.diff_roots)
+        diff_inputs, other_inputs = _split(state["input_values"], program.diff_inputs)
+        floats, (others, mutated, written, new_key), pullback = program.forward(
+            diff_roots, diff_inputs, other_roots, other_inputs, state["key"]
+        )
+        _write_back(program, state["inputs"], mutated, written, new_key)
+        floats, others = iter(floats), iter(others)
+        arrays = [next(floats) if is_float else next(others) for is_float in program.out_float]
+        tensors, _ = _outputs(program, arrays)
+        ctx.program = program
+        ctx.pullback = pullback
+        ctx.primals = (diff_roots, diff_inputs, other_roots, other_inputs, state["key"])
+        ctx.diff_tensors = diff_tensors
+        # Unused outputs get no gradient from torch (None); zeros are made here, on the device.
+        ctx.set_materialize_grads(False)
+        ctx.float_avals = [(a.shape, a.dtype) for a, is_float in zip(arrays, program.out_float) if is_float]
+        ctx.mark_non_differentiable(*[t for t, is_float in zip(tensors, program.out_float) if not is_float])
+        return tuple(tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        program = ctx.program
+        grads = [grad for grad, is_float in zip(grads, program.out_float) if is_float]
+        grads = [_gradient(grad, shape, dtype, program.index) for grad, (shape, dtype) in zip(grads, ctx.float_avals)]
+        if torch.is_grad_enabled():
+            # create_graph=True: the gradients need a graph of their own (double backward).
+            results = _RegionGradFunction.apply(program, ctx.primals, len(grads), *grads, *ctx.diff_tensors)
+            return (None, None, *results)
+        d_roots, d_inputs = program.backward(ctx.pullback, [read_value(grad) for grad in grads])
+        return (None, None, *[BridgeTensor(value, program.index) for value in list(d_roots) + list(d_inputs)])
+
+
+def _gradient(grad, shape, dtype, index):
+    """An incoming gradient as a bridge tensor (zeros for None, device copies of host tensors)."""
+    if isinstance(grad, BridgeTensor):
+        return grad
+    if grad is None:
+        return BridgeTensor(jax.numpy.zeros(shape, dtype), index)
+    return BridgeTensor(jax.numpy.asarray(grad.detach().numpy(), dtype=dtype), index)
+
+
+class _RegionGradFunction(torch.autograd.Function):
+    """A region's gradients as a differentiable function of the incoming gradients and of the
+    region's differentiated inputs (only when backward is itself recorded: gradient penalties)."""
+
+    @staticmethod
+    def forward(ctx, program, primals, n_grads, *tensors):
+        diff_roots, diff_inputs, other_roots, other_inputs, key = primals
+
+        def gradients(d_roots, d_inputs, cotangents):
+            _, pullback, _ = jax.vjp(
+                lambda a, b: program.differentiable(a, b, other_roots, other_inputs, key),
+                d_roots,
+                d_inputs,
+                has_aux=True,
+            )
+            return pullback(cotangents)
+
+        cotangents = [read_value(grad) for grad in tensors[:n_grads]]
+        (d_roots, d_inputs), pullback = jax.vjp(gradients, diff_roots, diff_inputs, cotangents)
+        ctx.pullback = pullback
+        ctx.index = program.index
+        ctx.n_roots = len(d_roots)
+        return tuple(BridgeTensor(value, program.index) for value in list(d_roots) + list(d_inputs))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        values = [read_value(grad) for grad in grads]
+        d_roots, d_inputs, d_cotangents = ctx.pullback((values[: ctx.n_roots], values[ctx.n_roots :]))
+        wrap = [BridgeTensor(value, ctx.index) for value in list(d_cotangents) + list(d_roots) + list(d_inputs)]
+        return (None, None, None, *wrap)
+
+
+# ---------------------------------------------------------------- regions
+
+
+@dataclasses.dataclass
+class Break:
+    region: str
+    reason: str
+    site: str
+
+
+@dataclasses.dataclass
+class Compile:
+    region: str
+    reason: str
+    seconds: float = 0.0
+
+
+breaks = []  # Break records (the run report lists them)
+compiles = []  # Compile records
+
+
+def _user_site(error):
+    """'file:line in function: source' of the innermost user frame of an exception's traceback."""
+    frames = traceback.extract_tb(error.__traceback__) if error is not None else []
+    for frame in reversed(frames):
+        if not _is_library(os.path.abspath(frame.filename)):
+            source = (frame.line or "").strip()
+            where = f"{frame.filename}:{frame.lineno} in {frame.name}"
+            return f"{where}: {source}" if source else where
+    return "<no user frame>"
+
+
+def _reason(error):
+    if isinstance(error, GraphBreak):
+        return error.reason
+    text = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    kind = type(error).__name__
+    if isinstance(error, jax.errors.JAXTypeError) or "Tracer" in kind or "Concretization" in kind:
+        return f"data-dependent value needed on the host ({kind}): {text[:200]}"
+    return f"{kind}: {text[:200]}"
+
+
+class Region:
+    """A capturable callable with its cache of programs (per structure of its inputs)."""
+
+    def __init__(self, function, name, state_roots=None, fullgraph=False):
+        self.function = function
+        self.name = name
+        self.state_roots = state_roots  # callable -> list of root tensors known up front
+        self.fullgraph = fullgraph
+        self.programs = {}
+        self.extra_roots = []  # outside tensors found by earlier traces
+        self.broken = None  # Break, once the region is left to run eagerly
+        self.last_key = None
+
+    def __call__(self, *args, **kwargs):
+        if self.broken is not None or not settings.capture or settings.tracing:
+            return self.function(*args, **kwargs)
+        try:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
+            roots = self._roots()
+            key = (
+                (spec, tuple(_leaf_key(leaf) for leaf in leaves)),
+                _context_key(),
+                _state_key(roots, self.owners),
+            )
+        except GraphBreak as error:
+            return self._break(error, args, kwargs)
+        program = self.programs.get(key)
+        inputs = [leaf for leaf in leaves if isinstance(leaf, BridgeTensor)]
+        if program is None:
+            if len(self.programs) >= MAX_PROGRAMS:
+                return self._break(GraphBreak(f"more than {MAX_PROGRAMS} structures compiled"), args, kwargs)
+            try:
+                program, result = self._compile(key, leaves, spec, roots, inputs)
+            except Exception as error:  # noqa: BLE001 - any failure to capture runs the region eagerly
+                return self._break(error, args, kwargs)
+            return result
+        return run(program, inputs)
+
+    def _roots(self):
+        """The state: roots of the region's tensors, and for each the tensor that autograd
+        knows (a parameter is often an alias of its root; its gradient is the root's)."""
+        roots, owners, seen = [], [], {}
+        for tensor in list(self.state_roots() if self.state_roots else []) + self.extra_roots:
+            if not isinstance(tensor, BridgeTensor):
+                raise GraphBreak("the module has a parameter or buffer that is not on the bridge device")
+            if tensor._chain and tensor.requires_grad:
+                raise GraphBreak("a parameter is a view into another tensor")
+            root = _root(tensor)
+            position = seen.get(id(root))
+            if position is None:
+                seen[id(root)] = len(roots)
+                roots.append(root)
+                owners.append(tensor)
+            elif tensor.requires_grad and not owners[position].requires_grad:
+                owners[position] = tensor
+        self.owners = owners
+        return roots
+
+    def _compile(self, key, leaves, spec, roots, inputs):
+        start = time.perf_counter()
+        reason = "first call" if self.last_key is None else f"recompile: {describe_change(self.last_key, key)} changed"
+        for _ in range(MAX_RETRACES):
+            program = self._program(leaves, spec, roots, inputs)
+            try:
+                result = run(program, inputs)
+            except _FreeTensors as found:
+                self.extra_roots.extend(found.args[0])
+                roots = self._roots()
+                key = key[:2] + (_state_key(roots, self.owners),)
+                continue
+            break
+        else:
+            raise GraphBreak("the region keeps reading new tensors from outside it")
+        self.programs[key] = program
+        self.last_key = key
+        compiles.append(Compile(self.name, reason, time.perf_counter() - start))
+        return program, result
+
+    def _program(self, leaves, spec, roots, inputs):
+        grad = torch.is_grad_enabled()
+        tensor_positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, BridgeTensor)]
+        statics = [None if isinstance(leaf, BridgeTensor) else leaf for leaf in leaves]
+        indices = [tensor._index for tensor in inputs]
+        index = indices[0] if indices else (roots[0]._index if roots else 0)
+        program = Program(roots, list(self.owners), spec, statics, tensor_positions, indices, grad, index=index)
+        if grad:
+            program.diff_roots = [
+                i for i, owner in enumerate(program.owners) if owner.requires_grad and _is_float(owner.dtype)
+            ]
+            program.diff_inputs = [i for i, tensor in enumerate(inputs) if tensor.requires_grad and _is_float(tensor.dtype)]
+            program.grad = bool(program.diff_roots or program.diff_inputs)
+        _build(self.function, program)
+        return program
+
+    def _break(self, error, args, kwargs):
+        site = _user_site(error)
+        record = Break(self.name, _reason(error), site)
+        self.broken = record
+        breaks.append(record)
+        if self.fullgraph:
+            raise GraphBreak(
+                f"torch.compile(fullgraph=True) of {self.name} cannot be captured as one XLA program: "
+                f"{record.reason}; run without fullgraph=True to let it run eagerly",
+                site,
+            ) from error
+        return self.function(*args, **kwargs)
+
+
+def reset():
+    breaks.clear()
+    compiles.clear()
+
+
+tensor_module.trace_hook = _touch
