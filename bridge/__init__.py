@@ -6,7 +6,7 @@
     bridge.deactivate()
 
 `import bridge.auto` activates with defaults (environment variables
-BRIDGE_DEVICE, BRIDGE_STRICT, BRIDGE_REPORT, BRIDGE_QUIET override them);
+BRIDGE_DEVICE, BRIDGE_MODE, BRIDGE_STRICT, BRIDGE_REPORT, BRIDGE_QUIET override them);
 `python -m bridge run script.py args...` runs a script under the bridge.
 """
 
@@ -24,7 +24,7 @@ from runtime.errors import (  # noqa: F401  (re-exported for users)
 )
 
 from . import report  # noqa: F401
-from .activation import activate, deactivate, is_active
+from .activation import activate, deactivate, is_active, set_mode
 
 __version__ = "0.1.0"
 
@@ -47,6 +47,7 @@ __all__ = [
     "deactivate",
     "active",
     "is_active",
+    "set_mode",
     "BridgeError",
     "UnsupportedOpError",
     "MappingMismatchError",

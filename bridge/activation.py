@@ -5,7 +5,7 @@ import os
 
 import jax
 
-from runtime import random, stats
+from runtime import capture, random, stats
 from runtime.config import settings
 from runtime.errors import ActivationError
 
@@ -28,7 +28,10 @@ def is_active():
     return _state["active"]
 
 
-def activate(device="auto", strict=False, check_signatures=True):
+MODES = ("captured", "eager")
+
+
+def activate(device="auto", strict=False, check_signatures=True, mode=None):
     """Route torch's 'cuda' device to JAX. Idempotent: a second call changes nothing.
 
     device: the JAX platform 'cuda' stands for: 'auto' (JAX's default backend),
@@ -36,11 +39,17 @@ def activate(device="auto", strict=False, check_signatures=True):
     strict: make every CPU fallback an error naming the op and the calling line.
     check_signatures: compare each mapping with torch's meta kernels the first
         time a signature is seen.
+    mode: 'captured' (module calls, backward, gradient clipping and optimizer
+        steps run as compiled programs) or 'eager' (op by op); default
+        $BRIDGE_MODE, else 'captured'. `set_mode` changes it later.
     """
     if _state["active"]:
         return
     if device not in _PLATFORMS:
         raise ActivationError(f"device={device!r} is not one of {sorted(_PLATFORMS)}")
+    mode = mode or os.environ.get("BRIDGE_MODE") or "captured"
+    if mode not in MODES:
+        raise ActivationError(f"mode={mode!r} (or BRIDGE_MODE) is not one of {list(MODES)}")
     # torch's int64 and float64 are real; JAX truncates them to 32 bits without this.
     jax.config.update("jax_enable_x64", True)
     _use_compilation_cache()
@@ -48,6 +57,7 @@ def activate(device="auto", strict=False, check_signatures=True):
     import torch
 
     settings.platform = _PLATFORMS[device]
+    settings.mode = mode
     settings.strict = strict
     settings.check_signatures = check_signatures
     random.seed(torch.initial_seed())
@@ -64,6 +74,7 @@ def activate(device="auto", strict=False, check_signatures=True):
     _state["patches"] = patches
     _state["active"] = True
     stats.reset()
+    capture.reset()
 
 
 def _use_compilation_cache():
@@ -86,6 +97,14 @@ def _use_compilation_cache():
     # Eager entries compile in milliseconds each; cache them all.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def set_mode(mode):
+    """Switch between 'captured' and 'eager' execution (active or not); returns the previous mode."""
+    if mode not in MODES:
+        raise ActivationError(f"mode={mode!r} is not one of {list(MODES)}")
+    previous, settings.mode = settings.mode, mode
+    return previous
 
 
 def deactivate():

@@ -1,7 +1,7 @@
 """`import bridge.auto`: activate the bridge with defaults at import time.
 
 Environment variables override the defaults: BRIDGE_DEVICE (auto|cpu|gpu|tpu),
-BRIDGE_STRICT=1, BRIDGE_REPORT=path.json, BRIDGE_QUIET=1 (no exit summary).
+BRIDGE_MODE (captured|eager), BRIDGE_STRICT=1, BRIDGE_REPORT=path.json, BRIDGE_QUIET=1 (no exit summary).
 """
 
 import atexit

@@ -7,6 +7,7 @@ import sys
 import traceback
 
 DEVICES = ("auto", "cpu", "gpu", "tpu")
+MODES = ("captured", "eager")
 
 
 def _parser():
@@ -39,6 +40,16 @@ def _parser():
         default="auto",
         help="the JAX platform the script's 'cuda' device stands for (default: JAX's default backend)",
     )
+    run.add_argument(
+        "--mode",
+        choices=MODES,
+        default=None,
+        help=(
+            "captured (default): module calls, backward, gradient clipping and optimizer steps run as compiled "
+            "XLA programs, cached by the structure of their inputs; eager: op by op "
+            "(default: $BRIDGE_MODE, else captured)"
+        ),
+    )
     run.add_argument("script", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     compare = commands.add_parser(
@@ -56,6 +67,7 @@ def _parser():
         "--match", metavar="REGEX", help="compare only lines matching REGEX (e.g. 'loss'; leave out timings)"
     )
     compare.add_argument("--device", choices=DEVICES, default="auto", help="as for `run`")
+    compare.add_argument("--mode", choices=MODES, default=None, help="as for `run`")
     compare.add_argument("script", help="the Python script to run")
     compare.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     coverage = commands.add_parser(
@@ -67,7 +79,7 @@ def _parser():
     return parser
 
 
-def run_script(script, args, report=None, strict=False, quiet=False, device="auto"):
+def run_script(script, args, report=None, strict=False, quiet=False, device="auto", mode=None):
     """Run a script under the bridge as `python script args` would; returns the exit code."""
     import bridge
     from bridge import report as run_report
@@ -77,7 +89,7 @@ def run_script(script, args, report=None, strict=False, quiet=False, device="aut
         print(f"bridge: can't open file {script!r}: no such file", file=sys.stderr)
         return 2
     # Activate (and import the tables) before sys.path is the script's.
-    bridge.activate(device=device, strict=strict)
+    bridge.activate(device=device, strict=strict, mode=mode)
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(path)
     code = 0
@@ -126,12 +138,14 @@ def main(argv=None):
             strict=options.strict,
             quiet=options.quiet,
             device=options.device,
+            mode=options.mode,
         )
     if options.command == "compare":
         from bridge.compare import compare_script
 
         return compare_script(
-            options.script, options.args, rtol=options.rtol, atol=options.atol, match=options.match, device=options.device
+            options.script, options.args, rtol=options.rtol, atol=options.atol, match=options.match, device=options.device,
+            mode=options.mode,
         )
     return 2
 

@@ -41,11 +41,12 @@ def compare_outputs(expected, actual, rtol, atol, match=None):
     return worst, problems
 
 
-def compare_script(script, args, rtol=1e-5, atol=0.0, match=None, device="auto"):
+def compare_script(script, args, rtol=1e-5, atol=0.0, match=None, device="auto", mode=None):
     plain_env = dict(os.environ)
     plain_env.setdefault("CUDA_VISIBLE_DEVICES", "")  # plain torch runs on its CPU, as the reference
     plain = _run([sys.executable, script, *args], env=plain_env)
-    bridged = _run([sys.executable, "-m", "bridge", "run", "--quiet", "--device", device, script, *args])
+    mode_option = ["--mode", mode] if mode else []
+    bridged = _run([sys.executable, "-m", "bridge", "run", "--quiet", "--device", device, *mode_option, script, *args])
     for name, result in (("plain torch", plain), ("the bridge", bridged)):
         if result.returncode != 0:
             print(f"bridge compare: {script} failed under {name} (exit code {result.returncode}):", file=sys.stderr)

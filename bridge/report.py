@@ -4,11 +4,17 @@ import html
 import json
 import sys
 
-from runtime import stats
+from runtime import capture, stats
+
+
+def _data():
+    data = stats.summary()
+    data["capture"] = capture.summary()
+    return data
 
 
 def summary_text(data=None):
-    data = data or stats.summary()
+    data = data or _data()
     by_rung = data["by_rung"]
     lines = [
         f"bridge: {data['ops_run']} torch ops ran ({data['distinct_ops']} distinct) in {data['wall_seconds']:.1f} s: "
@@ -20,12 +26,24 @@ def summary_text(data=None):
         )
     for correction in data["dtype_corrections"]:
         lines.append(f"bridge: mapping of {correction['op']} {correction['detail']}")
+    captured = data["capture"]
+    if captured["mode"] == "captured":
+        seconds = sum(record["seconds"] for record in captured["compiles"])
+        lines.append(
+            f"bridge: captured mode: {len(captured['compiles'])} program(s) compiled in {seconds:.1f} s, "
+            f"{len(captured['graph_breaks'])} graph break(s)"
+        )
+        for record in captured["compiles"]:
+            if record["reason"] != "first call":
+                lines.append(f"bridge: {record['region']}: {record['reason']}")
+        for record in captured["graph_breaks"]:
+            lines.append(f"bridge: graph break in {record['region']}: {record['reason']}, at {record['site']}")
     return "\n".join(lines)
 
 
 def write_report(path):
     """Write the run report to `path`: an HTML page if it ends in .html, else JSON."""
-    data = stats.summary()
+    data = _data()
     with open(path, "w") as handle:
         if str(path).lower().endswith((".html", ".htm")):
             handle.write(html_page(data))
@@ -58,6 +76,23 @@ def _bar_chart(title, values, unit):
     )
 
 
+def _capture_section(captured):
+    if captured["mode"] != "captured":
+        return "<h2>Captured execution</h2><p>off: the run was in eager mode (op by op).</p>"
+    compiles = "".join(
+        f"<tr><td>{html.escape(item['region'])}</td><td>{html.escape(item['reason'])}</td><td>{item['seconds']:.2f}</td></tr>"
+        for item in captured["compiles"]
+    ) or '<tr><td colspan="3">none</td></tr>'
+    breaks = "".join(
+        f"<tr><td>{html.escape(item['region'])}</td><td>{html.escape(item['reason'])}</td><td><code>{html.escape(item['site'])}</code></td></tr>"
+        for item in captured["graph_breaks"]
+    ) or '<tr><td colspan="3">none</td></tr>'
+    return (
+        f"<h2>Compiled programs</h2><table><tr><th>region</th><th>why compiled</th><th>seconds</th></tr>{compiles}</table>"
+        f"<h2>Graph breaks</h2><table><tr><th>region</th><th>reason</th><th>where</th></tr>{breaks}</table>"
+    )
+
+
 def html_page(data):
     """The run report as one self-contained page (inline CSS and SVG, no external assets)."""
     fallbacks = "".join(
@@ -85,7 +120,7 @@ svg text {{ font-size: 13px; }} .bar {{ fill: #4878a8; }} code {{ font-size: 12p
 {_bar_chart("Host time by op family", data["host_seconds_by_family"], "s")}
 <h2>CPU fallbacks</h2>
 <table><tr><th>op</th><th>calls</th><th>first call site</th></tr>{fallbacks}</table>
-<h2>Graph breaks</h2><p>none: captured execution is not built yet, every op ran eagerly.</p>
+{_capture_section(data["capture"])}
 {"<h2>dtype corrections</h2><ul>" + corrections + "</ul>" if corrections else ""}
 <h2>Every op</h2>
 <table><tr><th>op</th><th>calls</th><th>rung</th><th>family</th><th>host ms</th></tr>{ops}</table>
@@ -95,6 +130,6 @@ svg text {{ font-size: 13px; }} .bar {{ fill: #4878a8; }} code {{ font-size: 12p
 
 def finish(report_path=None, quiet=False):
     """What a run does at its end: the JSON report if asked for, and the summary unless quiet."""
-    data = write_report(report_path) if report_path else stats.summary()
+    data = write_report(report_path) if report_path else _data()
     if not quiet:
         print(summary_text(data), file=sys.stderr)

@@ -35,7 +35,7 @@ import jax
 import torch
 from torch.utils import _pytree as pytree
 
-from . import random, stats
+from . import random
 from . import tensor as tensor_module
 from .callsite import _is_library
 from .config import settings
@@ -396,11 +396,15 @@ class _RegionGradFunction(torch.autograd.Function):
         ctx.pullback = pullback
         ctx.index = program.index
         ctx.n_roots = len(d_roots)
+        ctx.set_materialize_grads(False)
+        ctx.avals = [(value.shape, value.dtype) for value in list(d_roots) + list(d_inputs)]
         return tuple(BridgeTensor(value, program.index) for value in list(d_roots) + list(d_inputs))
 
     @staticmethod
     def backward(ctx, *grads):
-        values = [read_value(grad) for grad in grads]
+        values = [
+            read_value(_gradient(grad, shape, dtype, ctx.index)) for grad, (shape, dtype) in zip(grads, ctx.avals)
+        ]
         d_roots, d_inputs, d_cotangents = ctx.pullback((values[: ctx.n_roots], values[ctx.n_roots :]))
         wrap = [BridgeTensor(value, ctx.index) for value in list(d_cotangents) + list(d_roots) + list(d_inputs)]
         return (None, None, None, *wrap)
@@ -559,6 +563,15 @@ class Region:
 def reset():
     breaks.clear()
     compiles.clear()
+
+
+def summary():
+    """Plain data for the run report: the mode, every compile and why, every graph break."""
+    return {
+        "mode": settings.mode,
+        "compiles": [dataclasses.asdict(record) for record in compiles],
+        "graph_breaks": [dataclasses.asdict(record) for record in breaks],
+    }
 
 
 tensor_module.trace_hook = _touch

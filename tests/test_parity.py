@@ -19,6 +19,22 @@ import gpt_char  # noqa: E402
 LOSS_RTOL = 1e-5
 
 
+@pytest.fixture(params=["captured", "eager"])
+def mode(request, bridged):
+    """Each parity test in both execution modes; captured runs must compile without graph breaks."""
+    from runtime import capture
+
+    previous = bridged.set_mode(request.param)
+    capture.reset()
+    try:
+        yield request.param
+        if request.param == "captured":
+            assert capture.compiles, "captured mode compiled nothing"
+            assert not capture.breaks, capture.breaks
+    finally:
+        bridged.set_mode(previous)
+
+
 def _train(model, batches, optimizer, scheduler=None, clip=None, loss_fn=None):
     losses, first_grads = [], None
     for x, y in batches:
@@ -50,7 +66,7 @@ def _gpt_loss(model, x, y):
     return model(x, y)[1]
 
 
-def test_gpt_adamw_20_steps_matches_torch(bridged):
+def test_gpt_adamw_20_steps_matches_torch(mode):
     torch.manual_seed(0)
     vocab, block = 40, 16
     model = gpt_char.GPT(vocab, block, width=32, heads=4, layers=2, dropout=0.0)
@@ -69,7 +85,7 @@ def test_gpt_adamw_20_steps_matches_torch(bridged):
     assert result[0][-1] < result[0][0]
 
 
-def test_cnn_sgd_momentum_batchnorm_matches_torch(bridged):
+def test_cnn_sgd_momentum_batchnorm_matches_torch(mode):
     torch.manual_seed(0)
     model = cnn.Net()
     generator = torch.Generator().manual_seed(0)
@@ -98,12 +114,13 @@ def _losses(output):
     return [float(value) for value in re.findall(r"loss ([0-9.]+)", output)]
 
 
+@pytest.mark.parametrize("run_mode", ["captured", "eager"])
 @pytest.mark.parametrize("script,args", [("gpt_char.py", ["--steps", "20"]), ("cnn.py", ["--steps", "20"])])
-def test_unmodified_example_script_under_runner(script, args):
+def test_unmodified_example_script_under_runner(script, args, run_mode):
     path = os.path.join(REPO, "examples", script)
     plain = run_python(path, *args, env={"CUDA_VISIBLE_DEVICES": ""})
     assert plain.returncode == 0, plain.stderr
-    bridged = run_python("-m", "bridge", "run", path, *args)
+    bridged = run_python("-m", "bridge", "run", "--mode", run_mode, path, *args)
     assert bridged.returncode == 0, bridged.stderr
     expected, actual = _losses(plain.stdout), _losses(bridged.stdout)
     assert len(expected) == len(actual) == 20

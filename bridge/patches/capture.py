@@ -172,6 +172,37 @@ def compile(model=None, *, fullgraph=False, dynamic=None, backend=None, mode=Non
     return _compile_function(model, fullgraph)
 
 
+# ---------------------------------------------------------------- gradient clipping
+
+
+def _clip_body(grads, max_norm, norm_type, foreach):
+    """torch's clip_grad_norm_ on a list of gradients (its own norm, then its own scaling)."""
+    from torch.nn.utils import clip_grad
+
+    total = clip_grad._get_total_norm(grads, norm_type, False, foreach)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for grad in grads:
+        grad.mul_(coefficient)
+    return total
+
+
+_clip_region = capture.Region(_clip_body, "clip_grad_norm_")
+
+
+def clip_grad_norm(wrapped, instance, args, kwargs):
+    """clip_grad_norm_ as one program: the norms, the total and the scaling of every gradient."""
+    if not settings.capture:
+        return wrapped(*args, **kwargs)
+    a = _bind(wrapped, args, kwargs)
+    parameters = a["parameters"]
+    parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if a["error_if_nonfinite"] or not grads or not all(isinstance(g, BridgeTensor) for g in grads):
+        return wrapped(parameters, *list(a.values())[1:])
+    with torch.no_grad():
+        return _clip_region(grads, float(a["max_norm"]), float(a["norm_type"]), a["foreach"])
+
+
 # ---------------------------------------------------------------- optimizers
 
 
@@ -296,6 +327,8 @@ def sgd(wrapped, instance, args, kwargs):
 
 PATCHES = [
     Patch(torch.nn.Module, "__call__", wrapper=module_call),
+    Patch(importlib.import_module("torch.nn.utils.clip_grad"), "clip_grad_norm_", wrapper=clip_grad_norm),
+    Patch(torch.nn.utils, "clip_grad_norm_", wrapper=clip_grad_norm),
     Patch(torch, "compile", replacement=compile),
     # Each optimizer module calls the functional form through its own global name.
     Patch(importlib.import_module("torch.optim.adam"), "adam", wrapper=adam),
