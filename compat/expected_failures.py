@@ -163,6 +163,16 @@ OPINFO = {
     "nn.functional.conv_transpose2d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "nn.functional.conv_transpose3d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "logcumsumexp": [ExpectedFailure(ILL_CONDITIONED.format(error="2e-3"), (torch.float32,), BACKWARD, kinds=("rounding",))],
+    "nn.functional.embedding_bag": [
+        ExpectedFailure(
+            "rounding: the float16 sample with max_norm and per_sample_weights; the bridge renormalizes and sums in "
+            "float32, and its largest error against float64 is 1.3e-3 where torch's CPU result's is 3.5e-3",
+            (torch.float16,),
+            FORWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
     "nn.functional.ctc_loss": [ExpectedFailure(ILL_CONDITIONED.format(error="5e-5"), (torch.float32,), BACKWARD, kinds=("rounding",))],
 }
 

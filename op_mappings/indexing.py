@@ -382,6 +382,111 @@ def embedding_renorm(self, indices, max_norm, norm_type):
     return (self * scale[:, None]).astype(self.dtype)
 
 
+# ---------------------------------------------------------------- embedding_bag
+
+_BAG_SUM, _BAG_MEAN, _BAG_MAX = 0, 1, 2
+
+
+def _bag_parts(indices, offsets, num_bags, padding_idx):
+    """(bag of each index position, whether it takes part): positions past the last bag (the
+    include_last_offset case) and padding_idx entries take no part."""
+    positions = jnp.arange(indices.shape[0], dtype=offsets.dtype)
+    bag = jnp.searchsorted(offsets, positions, side="right").astype(jnp.int64) - 1
+    valid = (bag >= 0) & (bag < num_bags)
+    if padding_idx >= 0:
+        valid = valid & (indices != padding_idx)
+    return jnp.clip(bag, 0, max(num_bags - 1, 0)), valid
+
+
+def _bag_accumulator(dtype):
+    return jnp.promote_types(dtype, jnp.float32)
+
+
+def _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_last_offset, padding_idx):
+    num_bags = offsets.shape[0] - 1 if include_last_offset else offsets.shape[0]
+    features = weight.shape[1]
+    accumulate = _bag_accumulator(weight.dtype)
+    bag, valid = _bag_parts(indices, offsets, num_bags, padding_idx)
+    rows = jnp.take(weight, indices, axis=0).astype(accumulate)
+    counts = jnp.zeros((num_bags,), dtype=jnp.int64).at[bag].add(valid.astype(jnp.int64))
+    if mode == _BAG_MAX:
+        lowest = jnp.asarray(-jnp.inf, dtype=accumulate)
+        masked = jnp.where(valid[:, None], rows, lowest)
+        maximum = jnp.full((num_bags, features), lowest).at[bag].max(masked)
+        # torch keeps the first of equal maxima (it replaces the running maximum on `>` only).
+        position = jnp.arange(indices.shape[0])[:, None]
+        is_maximum = valid[:, None] & (masked == maximum[bag])
+        first = jnp.full((num_bags, features), indices.shape[0]).at[bag].min(
+            jnp.where(is_maximum, position, indices.shape[0])
+        )
+        empty = (counts == 0)[:, None]
+        output = jnp.where(empty, jnp.zeros((), accumulate), maximum)
+        # -1 marks an empty bag for the backward (torch's CPU kernel writes 0 and checks bag_size).
+        chosen = jnp.take(indices, jnp.minimum(first, indices.shape[0] - 1)) if indices.shape[0] else first
+        max_indices = jnp.where(empty, jnp.asarray(-1, indices.dtype), chosen.astype(indices.dtype))
+    else:
+        if per_sample_weights is not None:
+            rows = rows * per_sample_weights.astype(accumulate)[:, None]
+        rows = jnp.where(valid[:, None], rows, jnp.zeros((), accumulate))
+        output = jnp.zeros((num_bags, features), dtype=accumulate).at[bag].add(rows)
+        if mode == _BAG_MEAN:
+            output = output / jnp.maximum(counts, 1).astype(accumulate)[:, None]
+        max_indices = jnp.zeros((0,), dtype=indices.dtype)
+    # The auxiliary outputs are shaped as torch's meta kernel (and CUDA) shapes them: offset2bag
+    # per index, bag_size per offset (the CPU kernel sometimes leaves them empty).
+    bag_size = jnp.zeros(offsets.shape, dtype=indices.dtype).at[bag].add(valid.astype(indices.dtype))
+    return output.astype(weight.dtype), bag.astype(indices.dtype), bag_size, max_indices
+
+
+@register_mapping(aten._embedding_bag.default, aten._embedding_bag_forward_only.default)
+def embedding_bag(
+    weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False, per_sample_weights=None,
+    include_last_offset=False, padding_idx=-1,
+):
+    return _embedding_bag(weight, indices, offsets, mode, per_sample_weights, include_last_offset, padding_idx)
+
+
+@register_mapping(aten._embedding_bag_backward.default)
+def embedding_bag_backward(
+    grad, indices, offsets, offset2bag, bag_size, maximum_indices, num_weights, scale_grad_by_freq, mode, sparse,
+    per_sample_weights, padding_idx=-1,
+):
+    # Bags are found again from the offsets: offset2bag is empty on torch's fast path.
+    num_bags, features = grad.shape
+    dtype = grad.dtype
+    accumulate = _bag_accumulator(dtype)
+    grad = grad.astype(accumulate)
+    if mode == _BAG_MAX:
+        chosen = maximum_indices >= 0
+        rows = jnp.where(chosen, maximum_indices, 0)
+        columns = jnp.broadcast_to(jnp.arange(features), rows.shape)
+        grad_weight = jnp.zeros((num_weights, features), accumulate).at[rows, columns].add(
+            jnp.where(chosen, grad, jnp.zeros((), accumulate))
+        )
+        return grad_weight.astype(dtype)
+    bag, valid = _bag_parts(indices, offsets, num_bags, padding_idx)
+    per_index = grad[bag]
+    if mode == _BAG_MEAN:
+        counts = jnp.zeros((num_bags,), dtype=accumulate).at[bag].add(valid.astype(accumulate))
+        per_index = per_index / jnp.maximum(counts, 1)[bag][:, None]
+    if per_sample_weights is not None:
+        per_index = per_index * per_sample_weights.astype(accumulate)[:, None]
+    if scale_grad_by_freq:
+        frequency = jnp.zeros((num_weights,), dtype=accumulate).at[indices].add(1)
+        per_index = per_index / frequency[indices][:, None]
+    per_index = jnp.where(valid[:, None], per_index, jnp.zeros((), accumulate))
+    return jnp.zeros((num_weights, features), accumulate).at[indices].add(per_index).astype(dtype)
+
+
+@register_mapping(aten._embedding_bag_per_sample_weights_backward.default)
+def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, offset2bag, mode, padding_idx=-1):
+    num_bags = grad.shape[0]
+    accumulate = _bag_accumulator(grad.dtype)
+    bag, valid = _bag_parts(indices, offsets, num_bags, padding_idx)
+    products = jnp.sum(grad.astype(accumulate)[bag] * jnp.take(weight, indices, axis=0).astype(accumulate), axis=1)
+    return jnp.where(valid, products, jnp.zeros((), accumulate)).astype(grad.dtype)
+
+
 # ---------------------------------------------------------------- repeat_interleave
 
 
