@@ -626,3 +626,60 @@ def index_reduce(self, dim, index, source, reduce, *, include_self=True):
         raise ValueError(f"index_reduce(): unknown reduce {reduce!r}; torch takes prod, mean, amax or amin")
     result = jnp.moveaxis(result, 0, dim)
     return result.reshape(()) if squeeze else result
+
+
+# ---------------------------------------------------------------- segment_reduce
+
+
+def _segment_reduce(data, reduce, lengths, offsets, axis, initial):
+    """Reduce consecutive segments of `data` along `axis` (the last dim of lengths/offsets; the dims
+    before it are batch dims shared with data). An empty segment gives `initial`, else the
+    reduction's identity (NaN for mean); `initial` also takes part in every non-empty segment."""
+    if lengths is None:
+        lengths = offsets[..., 1:] - offsets[..., :-1]
+    axis = axis % data.ndim
+    size = data.shape[axis]
+    ends = jnp.cumsum(lengths, axis=-1)
+    positions = jnp.arange(size)
+    # segment of each position: how many segment ends lie at or before it
+    segment = jnp.sum(ends[..., None, :] <= positions[:, None], axis=-1)  # (batch..., N)
+    segments = lengths.shape[-1]
+    mask = segment[..., None, :] == jnp.arange(segments)[:, None]  # (batch..., S, N)
+    trailing = data.ndim - axis - 1
+    mask = mask.reshape(mask.shape + (1,) * trailing)
+    result_dtype = data.dtype
+    data = data.astype(_accumulator(data.dtype))  # torch accumulates bfloat16/float16 in float32
+    expanded = jnp.expand_dims(data, axis)  # (batch..., 1, N, rest...)
+    over = axis + 1
+    counts = lengths.reshape(lengths.shape + (1,) * trailing).astype(data.dtype)
+    if reduce in ("sum", "mean"):
+        result = jnp.sum(jnp.where(mask, expanded, 0), axis=over)
+        if initial is not None:
+            result = result + initial
+        if reduce == "mean":
+            result = jnp.where(counts > 0, result / jnp.where(counts > 0, counts, 1), jnp.nan if initial is None else initial)
+    elif reduce == "prod":
+        result = jnp.prod(jnp.where(mask, expanded, 1), axis=over)
+        if initial is not None:
+            result = result * initial
+    elif reduce in ("max", "min"):
+        identity = -jnp.inf if reduce == "max" else jnp.inf
+        chooser = jnp.max if reduce == "max" else jnp.min
+        result = chooser(jnp.where(mask, expanded, identity), axis=over)
+        if initial is not None:
+            result = (jnp.maximum if reduce == "max" else jnp.minimum)(result, initial)
+    else:
+        raise ValueError(f"segment_reduce(): unknown reduce {reduce!r}; torch takes sum, mean, prod, max or min")
+    return result.astype(result_dtype)
+
+
+@register_mapping(aten.segment_reduce.default)
+def segment_reduce(data, reduce, *, lengths=None, indices=None, offsets=None, axis=0, unsafe=False, initial=None):
+    return _segment_reduce(data, reduce, lengths, offsets, axis, initial)
+
+
+@register_mapping(aten._segment_reduce_backward.default)
+def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets=None, axis=0, initial=None):
+    # The vjp of the forward entry: ties of max/min share the gradient equally, as in torch.
+    _, pullback = jax.vjp(lambda values: _segment_reduce(values, reduce, lengths, offsets, axis, initial), data)
+    return pullback(grad.astype(data.dtype))[0]
