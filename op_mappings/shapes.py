@@ -250,6 +250,22 @@ def _strided_positions(size, stride, storage_offset):
     return positions
 
 
+@register_mapping(aten.resize.default)
+def resize(self, size, *, memory_format=None):
+    """The first elements of `self` (in order) as a tensor of `size`; torch leaves any new
+    elements uninitialized, here they are zeros."""
+    count = math.prod(size)
+    flat = jnp.ravel(self)[:count]
+    if flat.shape[0] < count:
+        flat = jnp.concatenate([flat, jnp.zeros((count - flat.shape[0],), dtype=self.dtype)])
+    return flat.reshape(tuple(size))
+
+
+@register_mapping(aten.resize_as.default)
+def resize_as(self, the_template, *, memory_format=None):
+    return resize(self, the_template.shape)
+
+
 # ---------------------------------------------------------------- splitting
 
 
