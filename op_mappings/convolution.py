@@ -199,14 +199,20 @@ def _max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, spatial)
     # torch's index of an element is its flat position in the input's spatial plane.
     flat = np.arange(math.prod(sizes), dtype=np.int64).reshape(sizes)
     indices = jnp.broadcast_to(jnp.asarray(flat), input.shape)
-    values, indices = lax.reduce_window(
-        (input, indices),
-        (lowest, jnp.asarray(_NO_INDEX, dtype=jnp.int64)),
-        _first_maximum,
+    window = dict(
         window_dimensions=(1,) * batch_dims + tuple(kernel),
         window_strides=(1,) * batch_dims + tuple(stride),
         padding=[(0, 0)] * batch_dims + [(padding[i], high[i]) for i in range(spatial)],
         window_dilation=(1,) * batch_dims + tuple(dilation),
+    )
+    # The values by a plain max (which JAX can differentiate, for captured regions); the indices
+    # by a (value, index) reduction on a gradient-free copy (JAX has no derivative rule for it).
+    values = lax.reduce_window(input, lowest, lax.max, **window)
+    _, indices = lax.reduce_window(
+        (lax.stop_gradient(input), indices),
+        (lowest, jnp.asarray(_NO_INDEX, dtype=jnp.int64)),
+        _first_maximum,
+        **window,
     )
     return values, indices
 
