@@ -601,3 +601,166 @@ def _col2im(columns, output_size, kernel_size, dilation, padding, stride):
 
     # col2im is the adjoint of im2col: overlapping patches add up.
     return _linear_backward(forward, columns, like)
+
+
+# ---------------------------------------------------------------- separable resampling (nearest, linear, cubic, antialiased)
+#
+# Each of these resamplings is a linear map applied along each spatial axis in turn: a (output,
+# input) matrix per axis, built in NumPy at trace time with torch's index and weight arithmetic.
+# The backward ops apply the transposed matrices.
+
+
+def _nearest_matrix(input_size, output_size, scale, exact=False):
+    if exact:
+        # torch's nearest-exact: floor((i + 0.5) * ratio), the ratio in float32.
+        ratio = _upsample_scale(input_size, output_size, scale)
+        source = np.floor((np.arange(output_size, dtype=np.float32) + np.float32(0.5)) * ratio).astype(np.int64)
+        source = np.minimum(source, input_size - 1)
+    else:
+        source = _nearest_indices(input_size, output_size, scale)
+    matrix = np.zeros((output_size, input_size), dtype=np.float64)
+    matrix[np.arange(output_size), source] = 1.0
+    return matrix
+
+
+def _linear_matrix(input_size, output_size, scale, align_corners, real):
+    low, high, low_weight, high_weight = _linear_weights(input_size, output_size, scale, align_corners, real)
+    matrix = np.zeros((output_size, input_size), dtype=real)
+    rows = np.arange(output_size)
+    np.add.at(matrix, (rows, low), low_weight)
+    np.add.at(matrix, (rows, high), high_weight)
+    return matrix
+
+
+def _cubic_matrix(input_size, output_size, scale, align_corners, real):
+    """torch's bicubic taps (A = -0.75) at the four neighbours, indices clamped to the input."""
+    ratio = _upsample_scale(input_size, output_size, scale, align_corners, real)
+    destination = np.arange(output_size, dtype=real)
+    source = destination * ratio if align_corners else (destination + real(0.5)) * ratio - real(0.5)
+    floor = np.floor(source)
+    t = (source - floor).astype(real)
+    a = real(-0.75)
+
+    def near(x):  # |x| <= 1
+        return ((a + 2) * x - (a + 3)) * x * x + real(1)
+
+    def far(x):  # 1 < |x| < 2
+        return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+    weights = [far(t + real(1)), near(t), near(real(1) - t), far(real(2) - t)]
+    matrix = np.zeros((output_size, input_size), dtype=real)
+    rows = np.arange(output_size)
+    for tap, weight in enumerate(weights):
+        columns = np.clip(floor.astype(np.int64) - 1 + tap, 0, input_size - 1)
+        np.add.at(matrix, (rows, columns), weight.astype(real))
+    return matrix
+
+
+def _antialias_matrix(input_size, output_size, scale, align_corners, real):
+    """torch's antialiased bilinear weights: a triangle filter stretched by the downscaling ratio,
+    normalized over the input elements it covers."""
+    ratio = _upsample_scale(input_size, output_size, scale, align_corners, real)
+    support = real(ratio if ratio >= 1 else 1.0)
+    inverse = real(1.0 / ratio) if ratio >= 1 else real(1.0)
+    matrix = np.zeros((output_size, input_size), dtype=real)
+    for i in range(output_size):
+        center = ratio * real(i + 0.5)
+        start = max(int(center - support + real(0.5)), 0)
+        size = min(int(center + support + real(0.5)), input_size) - start
+        offsets = (np.arange(size, dtype=real) + real(start) - center + real(0.5)) * inverse
+        weights = np.maximum(real(1) - np.abs(offsets), real(0)).astype(real)
+        total = weights.sum(dtype=real)
+        if total != 0:
+            weights = (weights / total).astype(real)
+        matrix[i, start : start + size] = weights
+    return matrix
+
+
+def _resample_matrices(kind, input_sizes, output_sizes, scales, align_corners, real):
+    if kind == "nearest" or kind == "nearest-exact":
+        return [_nearest_matrix(i, o, s, exact=kind == "nearest-exact") for i, o, s in zip(input_sizes, output_sizes, scales)]
+    build = {"linear": _linear_matrix, "cubic": _cubic_matrix, "antialias": _antialias_matrix}[kind]
+    return [build(i, o, s, align_corners, real) for i, o, s in zip(input_sizes, output_sizes, scales)]
+
+
+def _real_for(dtype):
+    return np.float64 if _accumulator(dtype) == jnp.float64 else np.float32
+
+
+def _apply_along_axes(values, matrices, transpose, last_first):
+    """Contract each spatial axis of `values` with its matrix (output x input, or transposed)."""
+    spatial = len(matrices)
+    order = range(spatial - 1, -1, -1) if last_first else range(spatial)
+    for i in order:
+        axis = values.ndim - spatial + i
+        matrix = jnp.asarray(matrices[i], dtype=values.dtype)
+        contracted = 0 if transpose else 1
+        values = jnp.moveaxis(
+            jnp.tensordot(values, matrix, axes=((axis,), (contracted,)), precision=lax.Precision.HIGHEST), -1, axis
+        )
+    return values
+
+
+@_compiled("kind", "output_size", "align_corners", "scales")
+def _resample(input, kind, output_size, align_corners, scales):
+    spatial = len(output_size)
+    matrices = _resample_matrices(kind, input.shape[-spatial:], output_size, scales, align_corners, _real_for(input.dtype))
+    # torch's separable kernels resample the last axis first.
+    out = _apply_along_axes(input.astype(_accumulator(input.dtype)), matrices, False, last_first=True)
+    return out.astype(input.dtype)
+
+
+@_compiled("kind", "output_size", "input_size", "align_corners", "scales")
+def _resample_backward(grad_output, kind, output_size, input_size, align_corners, scales):
+    spatial = len(output_size)
+    matrices = _resample_matrices(kind, input_size[-spatial:], output_size, scales, align_corners, _real_for(grad_output.dtype))
+    grad = _apply_along_axes(grad_output.astype(_accumulator(grad_output.dtype)), matrices, True, last_first=False)
+    return grad.astype(grad_output.dtype)
+
+
+@register_mapping(aten.upsample_nearest1d_backward.default)
+def upsample_nearest1d_backward(grad_output, output_size, input_size, scales=None):
+    return _resample_backward(grad_output, "nearest", tuple(output_size), tuple(input_size), False, (scales,))
+
+
+@register_mapping(aten._upsample_nearest_exact1d_backward.default)
+def upsample_nearest_exact1d_backward(grad_output, output_size, input_size, scales=None):
+    return _resample_backward(grad_output, "nearest-exact", tuple(output_size), tuple(input_size), False, (scales,))
+
+
+@register_mapping(aten.upsample_linear1d_backward.default)
+def upsample_linear1d_backward(grad_output, output_size, input_size, align_corners, scales=None):
+    return _resample_backward(grad_output, "linear", tuple(output_size), tuple(input_size), align_corners, (scales,))
+
+
+@register_mapping(aten.upsample_trilinear3d_backward.default)
+def upsample_trilinear3d_backward(grad_output, output_size, input_size, align_corners, scales_d=None, scales_h=None, scales_w=None):
+    scales = (scales_d, scales_h, scales_w)
+    return _resample_backward(grad_output, "linear", tuple(output_size), tuple(input_size), align_corners, scales)
+
+
+@register_mapping(aten.upsample_bicubic2d_backward.default)
+def upsample_bicubic2d_backward(grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    return _resample_backward(grad_output, "cubic", tuple(output_size), tuple(input_size), align_corners, (scales_h, scales_w))
+
+
+@register_mapping(aten._upsample_bilinear2d_aa.default)
+def upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, scales_w=None):
+    return _resample(self, "antialias", tuple(output_size), align_corners, (scales_h, scales_w))
+
+
+@register_mapping(aten._upsample_bilinear2d_aa.vec)
+def upsample_bilinear2d_aa_vec(input, output_size, align_corners, scale_factors):
+    output_size, scales = _vec_output_size(input, output_size, scale_factors, 2)
+    return _resample(input, "antialias", output_size, align_corners, scales)
+
+
+@register_mapping(aten._upsample_bilinear2d_aa_backward.default)
+def upsample_bilinear2d_aa_backward(grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None):
+    scales = (scales_h, scales_w)
+    return _resample_backward(grad_output, "antialias", tuple(output_size), tuple(input_size), align_corners, scales)
+
+
+@register_mapping(aten.adaptive_max_pool3d_backward.default)
+def adaptive_max_pool3d_backward(grad_output, self, indices):
+    return _max_pool_backward(grad_output, self, indices, 3)
