@@ -1,4 +1,5 @@
-"""Convolution, pooling, upsampling and im2col/col2im, with the backward ops torch's autograd calls.
+"""Convolution, pooling, upsampling and im2col/col2im, with the backward ops torch's autograd calls;
+also the bilinear form of nn.Bilinear (aten._trilinear).
 
 Shapes here are static (they come from the schema's int lists), so window
 bookkeeping (output sizes, divisors, source indices) is done in NumPy at trace time.
@@ -207,7 +208,10 @@ def _max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, spatial)
     )
     # The values by a plain max (which JAX can differentiate, for captured regions); the indices
     # by a (value, index) reduction on a gradient-free copy (JAX has no derivative rule for it).
-    values = lax.reduce_window(input, lowest, lax.max, **window)
+    # (A NumPy init value: JAX linearizes reduce_window only with a constant one.)
+    floating = jnp.issubdtype(input.dtype, jnp.floating)
+    init = np.asarray(-np.inf if floating else np.iinfo(input.dtype).min, dtype=input.dtype)
+    values = lax.reduce_window(input, init, lax.max, **window)
     _, indices = lax.reduce_window(
         (lax.stop_gradient(input), indices),
         (lowest, jnp.asarray(_NO_INDEX, dtype=jnp.int64)),
@@ -764,3 +768,36 @@ def upsample_bilinear2d_aa_backward(grad_output, output_size, input_size, align_
 @register_mapping(aten.adaptive_max_pool3d_backward.default)
 def adaptive_max_pool3d_backward(grad_output, self, indices):
     return _max_pool_backward(grad_output, self, indices, 3)
+
+
+# ---------------------------------------------------------------- _trilinear (F.bilinear)
+
+
+@register_mapping(aten._trilinear.default)
+def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """sum over `sumdim` of i1 * i2 * i3, each first unsqueezed at its `expand` dims, as one einsum."""
+    operands = []
+    for tensor, expand in ((i1, expand1), (i2, expand2), (i3, expand3)):
+        for dim in sorted(expand):
+            tensor = jnp.expand_dims(tensor, dim)
+        operands.append(tensor)
+    ndim = operands[0].ndim
+    sizes = [max(operand.shape[dim] for operand in operands) for dim in range(ndim)]
+    letters = "abcdefghijklmnopqrstuvwxyz"[:ndim]
+    subscripts, squeezed = [], []
+    for operand in operands:
+        # Size-1 dims that broadcast against a larger one are dropped from that operand.
+        dropped = tuple(dim for dim in range(ndim) if operand.shape[dim] == 1 and sizes[dim] != 1)
+        squeezed.append(jnp.squeeze(operand, dropped) if dropped else operand)
+        subscripts.append("".join(letters[dim] for dim in range(ndim) if dim not in dropped))
+    summed = set(sumdim)
+    output = "".join(letters[dim] for dim in range(ndim) if dim not in summed)
+    dtype = jnp.result_type(i1, i2, i3)
+    out = jnp.einsum(
+        f"{','.join(subscripts)}->{output}",
+        *squeezed,
+        precision=config.matmul_precision(),
+        preferred_element_type=_accumulator(dtype),
+    )
+    # A summed dim that no operand has (all size 1) leaves nothing to sum: torch drops it too.
+    return out.astype(dtype)
