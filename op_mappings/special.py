@@ -95,15 +95,69 @@ def digamma(self):
     return _digamma(self)
 
 
+_ZETA_EULER_MACLAURIN = (
+    12.0, -720.0, 30240.0, -1209600.0, 47900160.0, -1.8924375803183791606e9, 7.47242496e10,
+    -2.950130727918164224e12, 1.1646782814350067249e14, -4.5979787224074726105e15, 1.8152105401943546773e17,
+    -7.1661652561756670113e18,
+)
+_MACHEP = 1.11022302462515654042e-16
+
+
+def _zeta(x, q):
+    """Cephes' Hurwitz zeta as torch runs it: direct sums until the terms are negligible or a > 9
+    (after at least nine), then the Euler-Maclaurin tail; q <= 0 only for integer x."""
+    power = lambda base: jnp.power(base, -x)  # noqa: E731
+    s = power(q)
+    state = (jnp.zeros(q.shape, jnp.int32), q, jnp.zeros_like(q), s, jnp.zeros(q.shape, bool))
+
+    def summing(state):
+        i, a, _, _, done = state
+        return (~done) & ((i < 9) | (a <= 9))
+
+    def direct(state):
+        i, a, b, s, done = state
+        active = summing(state)
+        a_next = a + 1
+        b_next = power(a_next)
+        s_next = s + b_next
+        converged = (-_MACHEP * s_next < b_next) & (b_next < _MACHEP * s_next)
+        return (
+            jnp.where(active, i + 1, i), jnp.where(active, a_next, a), jnp.where(active, b_next, b),
+            jnp.where(active, s_next, s), done | (active & converged),
+        )
+
+    _, a, b, s, done = lax.while_loop(lambda state: jnp.any(summing(state)), direct, state)
+    w = a
+    tail = s + b * w / (x - 1) - 0.5 * b
+    factor = jnp.ones_like(q)
+    k = 0.0
+    finished = done
+    for coefficient in _ZETA_EULER_MACLAURIN:
+        factor = factor * (x + k)
+        b = b / w
+        term = factor * b / coefficient
+        tail = jnp.where(finished, tail, tail + term)
+        finished = finished | (jnp.abs(term / tail) < _MACHEP)
+        k += 1.0
+        factor = factor * (x + k)
+        b = b / w
+        k += 1.0
+    value = jnp.where(done, s, tail)
+    value = jnp.where((q <= 0) & (q == jnp.floor(q)), jnp.inf, value)
+    return value
+
+
 @register_mapping(aten.polygamma.default, promote=INT_TO_FLOAT, operands=("self",))
 def polygamma(n, self):
     if n == 0:
         return _digamma(self)
     if n == 1:
         return _trigamma(self)
-    # torch: (-1)**(n+1) * n! * zeta(n + 1, x)
+    # torch: (-1)**(n+1) * n! * zeta(n + 1, x), the zeta summed in double (float for bfloat16/float16).
+    wide = jnp.float64 if self.dtype in (jnp.float32, jnp.float64) else jnp.float32
+    zeta = _zeta(jnp.asarray(n + 1, wide), self.astype(wide)).astype(self.dtype)
     sign = 1.0 if n % 2 else -1.0
-    return sign * math.exp(math.lgamma(n + 1)) * jax_special.zeta(jnp.asarray(n + 1, self.dtype), self)
+    return sign * jnp.asarray(math.exp(math.lgamma(n + 1)), self.dtype) * zeta
 
 
 # ---------------------------------------------------------------- angle
