@@ -260,3 +260,17 @@ def glu_backward(grad_output, self, dim):
     grad_first = grad_output * sigmoid
     grad_second = grad_output * first * sigmoid * (1 - sigmoid)
     return jnp.concatenate([grad_first, grad_second], axis=dim)
+
+
+@register_mapping(aten.rrelu_with_noise.default, rng=True, mutates=("noise",))
+def rrelu_with_noise(self, noise, lower=0.125, upper=1.0 / 3.0, training=False, generator=None, *, key):
+    """Randomized leaky ReLU. Training: each negative element's slope is drawn from U(lower, upper)
+    and written into `noise` (1 for the others), which the backward reads; eval: the mean slope."""
+    if not training:
+        return jnp.where(self > 0, self, self * ((lower + upper) / 2)).astype(self.dtype), {}
+    sampling = jnp.promote_types(self.dtype, jnp.float32)
+    slopes = jax.random.uniform(key, self.shape, dtype=sampling, minval=lower, maxval=upper)
+    negative = self <= 0
+    slopes = jnp.where(negative, slopes, jnp.ones((), sampling))
+    out = jnp.where(negative, self.astype(sampling) * slopes, self.astype(sampling)).astype(self.dtype)
+    return out, {"noise": slopes.astype(noise.dtype)}

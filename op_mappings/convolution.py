@@ -775,29 +775,44 @@ def adaptive_max_pool3d_backward(grad_output, self, indices):
 
 @register_mapping(aten._trilinear.default)
 def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
-    """sum over `sumdim` of i1 * i2 * i3, each first unsqueezed at its `expand` dims, as one einsum."""
+    """sum over `sumdim` of i1 * i2 * i3, each first unsqueezed at its `expand` dims.
+
+    As torch's kernel does, in two contractions rounded to the dtype in between: i1 with i2 over
+    the summed dims i3 lacks, then that with i3 over the rest.
+    """
     operands = []
     for tensor, expand in ((i1, expand1), (i2, expand2), (i3, expand3)):
         for dim in sorted(expand):
             tensor = jnp.expand_dims(tensor, dim)
         operands.append(tensor)
     ndim = operands[0].ndim
-    sizes = [max(operand.shape[dim] for operand in operands) for dim in range(ndim)]
+    # Broadcast sizes (a 0 wins over a 1).
+    sizes = [next((o.shape[dim] for o in operands if o.shape[dim] != 1), 1) for dim in range(ndim)]
     letters = "abcdefghijklmnopqrstuvwxyz"[:ndim]
-    subscripts, squeezed = [], []
+    present, squeezed = [], []
     for operand in operands:
-        # Size-1 dims that broadcast against a larger one are dropped from that operand.
+        # Size-1 dims (the expanded ones, or broadcasting ones) are dropped from that operand.
         dropped = tuple(dim for dim in range(ndim) if operand.shape[dim] == 1 and sizes[dim] != 1)
         squeezed.append(jnp.squeeze(operand, dropped) if dropped else operand)
-        subscripts.append("".join(letters[dim] for dim in range(ndim) if dim not in dropped))
+        present.append([dim for dim in range(ndim) if dim not in dropped])
     summed = set(sumdim)
-    output = "".join(letters[dim] for dim in range(ndim) if dim not in summed)
     dtype = jnp.result_type(i1, i2, i3)
-    out = jnp.einsum(
-        f"{','.join(subscripts)}->{output}",
-        *squeezed,
-        precision=config.matmul_precision(),
-        preferred_element_type=_accumulator(dtype),
-    )
-    # A summed dim that no operand has (all size 1) leaves nothing to sum: torch drops it too.
-    return out.astype(dtype)
+    accumulator = _accumulator(dtype)
+
+    def contract(left, left_dims, right, right_dims, keep):
+        text = "".join(letters[d] for d in left_dims) + "," + "".join(letters[d] for d in right_dims)
+        return jnp.einsum(
+            text + "->" + "".join(letters[d] for d in keep),
+            left,
+            right,
+            precision=config.matmul_precision(),
+            preferred_element_type=accumulator,
+        ).astype(dtype)
+
+    pair_dims = sorted(set(present[0]) | set(present[1]))
+    pair_keep = [d for d in pair_dims if not (d in summed and d not in present[2])]
+    pair = contract(squeezed[0], present[0], squeezed[1], present[1], pair_keep)
+    keep = [d for d in range(ndim) if d not in summed and (d in pair_keep or d in present[2])]
+    out = contract(pair, pair_keep, squeezed[2], present[2], keep)
+    # Dims no operand has (size 1 everywhere) and that are not summed stay in the output.
+    return out.reshape(tuple(1 if d not in keep else sizes[d] for d in range(ndim) if d not in summed))

@@ -241,3 +241,61 @@ def soft_margin_loss(self, target, reduction=_MEAN):
 @register_mapping(aten.soft_margin_loss_backward.default, promote=dtypes.DEFAULT, operands=_GRAD_PAIR)
 def soft_margin_loss_backward(grad_output, self, target, reduction):
     return -target * jax.nn.sigmoid(-target * self) * grad_output * _scale_for(reduction, self)
+
+
+# ---------------------------------------------------------------- margin losses on class scores (backward ops)
+
+
+def _per_sample_grad(grad_output, reduction, samples, dtype):
+    """grad_output as one factor per sample: a scalar for reduced losses, a vector otherwise."""
+    grad = grad_output.astype(dtype)
+    if reduction == _NONE and grad.ndim:
+        return grad.reshape(samples, 1)
+    return grad.reshape(())
+
+
+@register_mapping(aten.multi_margin_loss_backward.default)
+def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None, reduction=_MEAN):
+    # torch's kernel: every class i != y with z = margin - x[y] + x[i] > 0 gets g * (1 or 2z) * w[y],
+    # and the target class minus their sum; g = 1/C, over N as well for the mean.
+    accumulator = _accumulator(self.dtype)
+    scores = self.astype(accumulator).reshape(-1, self.shape[-1]) if self.ndim else self.astype(accumulator).reshape(1, 1)
+    samples, classes = scores.shape
+    target = target.reshape(samples)
+    picked = jnp.take_along_axis(scores, target[:, None], axis=1)
+    z = margin - picked + scores
+    scale = 1.0 / (samples * classes) if reduction == _MEAN else 1.0 / classes
+    h = jnp.where(z > 0, scale if p == 1 else 2 * scale * z, 0.0).astype(accumulator)
+    if weight is not None:
+        h = h * weight.astype(accumulator)[target][:, None]
+    is_target = jax.nn.one_hot(target, classes, dtype=jnp.bool_)
+    h = jnp.where(is_target, jnp.zeros((), accumulator), h)
+    grad = h - is_target.astype(accumulator) * jnp.sum(h, axis=1, keepdims=True)
+    grad = grad * _per_sample_grad(grad_output, reduction, samples, accumulator)
+    return grad.reshape(self.shape).astype(self.dtype)
+
+
+@register_mapping(aten.multilabel_margin_loss_backward.default)
+def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_target):
+    # torch's kernel: for each target class y (up to the first -1) and each non-target class d
+    # with 1 - x[y] + x[d] > 0, x[d] gains g and x[y] loses g; g = 1/C, over N as well for the mean.
+    accumulator = _accumulator(self.dtype)
+    classes = self.shape[-1] if self.ndim else 1
+    scores = self.astype(accumulator).reshape(-1, classes)
+    samples = scores.shape[0]
+    target = target.reshape(samples, classes)
+    listed = jnp.cumprod(target >= 0, axis=1).astype(jnp.bool_)
+    safe_target = jnp.where(listed, target, 0)
+    picked = jnp.take_along_axis(scores, safe_target, axis=1)  # (N, J): x[y_j]
+    others = is_target.reshape(samples, classes) == 0  # (N, C)
+    z = 1 - picked[:, :, None] + scores[:, None, :]  # (N, J, C)
+    active = (z > 0) & listed[:, :, None] & others[:, None, :]
+    scale = 1.0 / (samples * classes) if reduction == _MEAN else 1.0 / classes
+    counts = active.astype(accumulator)
+    gained = jnp.sum(counts, axis=1)  # per non-target class d
+    lost = jnp.zeros((samples, classes), accumulator).at[jnp.arange(samples)[:, None], safe_target].add(
+        jnp.sum(counts, axis=2)
+    )
+    grad = (gained - lost) * scale
+    grad = grad * _per_sample_grad(grad_output, reduction, samples, accumulator)
+    return grad.reshape(self.shape).astype(self.dtype)
