@@ -64,19 +64,27 @@ BOOL_ACCUMULATE = (
     "bug in the {op} mapping: accumulating into a bool tensor calls jnp add/mul, which JAX refuses for "
     "bool (torch means logical or/and)"
 )
-FALLBACK_UNDER_DISPATCH = (
-    "runtime: the CPU fallback of aten.linalg_pinv.atol_rtol_tensor runs inside __torch_dispatch__, where "
-    "torch's CPU kernel takes its tensor-subclass path and returns other values for complex input "
-    "(a pass-through TorchDispatchMode on plain CPU tensors shows the same); running the fallback "
-    "under torch._C._DisableTorchDispatch() gives torch's result"
-)
 ROUNDING_LOW_PRECISION = (
     "rounding: results differ from torch's CPU kernel by an ulp of {dtype}, and are as close to the "
     "float64 result as torch's own (accumulation order)"
 )
+MATRIX_EXP_ROUNDING = (
+    "rounding: torch's Taylor polynomial of degree 18 (Bader, Blanes, Casas) and jax.scipy's Pade approximant "
+    "round differently on entries of size 1e5 to 1e6; the bridge's result is as close to the float64 one as torch's"
+)
+FFT_ROUNDING = (
+    "rounding: XLA's FFT and pocketfft round differently on outputs that sum 360 terms; the bridge's result is "
+    "as close to the float64 one as torch's (float32: 2.3e-5 against 2.2e-5)"
+)
 ILL_CONDITIONED = (
     "rounding: ill-conditioned in float32; torch's own CPU result is {error} from the float64 one, "
     "and the bridge's is about as far"
+)
+
+UPSAMPLE_LOW_PRECISION = (
+    "rounding: the forward runs torch's own decomposition through the bridge's tables; in bfloat16/float16 "
+    "it is closer to the float64 result than torch's CPU kernel (largest errors on the failing samples: "
+    "the bridge's {bridge}, torch's {torch})"
 )
 
 # OpInfo entries ("name" or "name.variant_test_name") -> their expected failures.
@@ -149,9 +157,17 @@ OPINFO = {
         ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten.zeros"), F32_F64, BACKWARD, kinds=("device",))
     ],
     "sgn": [ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten._efficientzerotensor"), F32_F64, BACKWARD, kinds=("device",))],
-    # ---- runtime: the CPU fallback run inside __torch_dispatch__
-    "pinverse": [ExpectedFailure(FALLBACK_UNDER_DISPATCH, (torch.complex64,), FORWARD)],
-    "linalg.pinv": [ExpectedFailure(FALLBACK_UNDER_DISPATCH, (torch.complex64,), FORWARD)],
+    # ---- torch's CPU kernel is wrong; the bridge gives the right result
+    "matrix_exp": [
+        ExpectedFailure(
+            "torch's CPU kernel of matrix_exp is wrong in bfloat16/float16 (matrix_exp(eye(2)) gives -1.3e30 "
+            "on the diagonal, matrix_exp(0.01 * ones(2, 2)) gives NaN); the bridge computes in float32 and rounds",
+            F16,
+            FORWARD,
+        ),
+        ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.complex64,), FORWARD, kinds=("rounding",)),
+        ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.float32,), BACKWARD, kinds=("rounding",)),
+    ],
     # ---- rounding (the sweep re-judges these against float64 each run: kinds=("rounding",))
     "_batch_norm_with_update": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
     "nn.functional.batch_norm": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
@@ -162,6 +178,15 @@ OPINFO = {
     "nn.functional.conv_transpose1d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "nn.functional.conv_transpose2d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "nn.functional.conv_transpose3d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
+    "fft.hfft2": [
+        ExpectedFailure(
+            FFT_ROUNDING,
+            (torch.float32, torch.complex64),
+            FORWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
     "logcumsumexp": [ExpectedFailure(ILL_CONDITIONED.format(error="2e-3"), (torch.float32,), BACKWARD, kinds=("rounding",))],
     "nn.functional.embedding_bag": [
         ExpectedFailure(
@@ -173,6 +198,9 @@ OPINFO = {
             kinds=("rounding",),
         )
     ],
+    "nn.functional.interpolate.linear": [ExpectedFailure(UPSAMPLE_LOW_PRECISION.format(bridge="5e-3", torch="3.6e-2"), F16, FORWARD, quick=False, kinds=("rounding",))],
+    "nn.functional.interpolate.bicubic": [ExpectedFailure(UPSAMPLE_LOW_PRECISION.format(bridge="3.1e-2", torch="6.1e-2"), F16, FORWARD, quick=False, kinds=("rounding",))],
+    "nn.functional.interpolate.trilinear": [ExpectedFailure(UPSAMPLE_LOW_PRECISION.format(bridge="1.2e-2", torch="5.1e-2"), F16, FORWARD, quick=False, kinds=("rounding",))],
     "nn.functional.ctc_loss": [ExpectedFailure(ILL_CONDITIONED.format(error="5e-5"), (torch.float32,), BACKWARD, kinds=("rounding",))],
 }
 

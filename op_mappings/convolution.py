@@ -732,6 +732,24 @@ def upsample_nearest_exact1d_backward(grad_output, output_size, input_size, scal
     return _resample_backward(grad_output, "nearest-exact", tuple(output_size), tuple(input_size), False, (scales,))
 
 
+@register_mapping(aten.upsample_nearest3d_backward.default)
+def upsample_nearest3d_backward(grad_output, output_size, input_size, scales_d=None, scales_h=None, scales_w=None):
+    scales = (scales_d, scales_h, scales_w)
+    return _resample_backward(grad_output, "nearest", tuple(output_size), tuple(input_size), False, scales)
+
+
+@register_mapping(aten._upsample_nearest_exact2d_backward.default)
+def upsample_nearest_exact2d_backward(grad_output, output_size, input_size, scales_h=None, scales_w=None):
+    scales = (scales_h, scales_w)
+    return _resample_backward(grad_output, "nearest-exact", tuple(output_size), tuple(input_size), False, scales)
+
+
+@register_mapping(aten._upsample_nearest_exact3d_backward.default)
+def upsample_nearest_exact3d_backward(grad_output, output_size, input_size, scales_d=None, scales_h=None, scales_w=None):
+    scales = (scales_d, scales_h, scales_w)
+    return _resample_backward(grad_output, "nearest-exact", tuple(output_size), tuple(input_size), False, scales)
+
+
 @register_mapping(aten.upsample_linear1d_backward.default)
 def upsample_linear1d_backward(grad_output, output_size, input_size, align_corners, scales=None):
     return _resample_backward(grad_output, "linear", tuple(output_size), tuple(input_size), align_corners, (scales,))
