@@ -1,0 +1,294 @@
+"""HuggingFace transformers models, trained eagerly and under the bridge, compared number by number.
+
+Each model is built from a tiny config in code (random weights, nothing downloaded) with
+torch.manual_seed(0); one deep copy runs on plain CPU tensors, the other is moved to 'cuda' (the
+bridge). Compared: the logits and loss of the first forward, every parameter's gradient, the losses
+of two more steps, and every parameter after 3 AdamW steps. Also checked: no op fell back to eager
+torch on the CPU, beyond those listed per model with their reason.
+
+The optional group `hf` (pip install -e ".[hf]"); deselect with `pytest -m "not hf"`.
+"""
+
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+transformers = pytest.importorskip(
+    "transformers", reason='the hf test group needs HuggingFace transformers: pip install -e ".[hf]"'
+)
+
+from runtime import stats  # noqa: E402
+
+pytestmark = pytest.mark.hf
+
+VOCAB, BATCH, LENGTH = 100, 2, 12
+STEPS, LEARNING_RATE, ADAM_EPS = 3, 1e-3, 1e-8
+
+
+@dataclass
+class Case:
+    """One model: how to build it and its inputs, and how closely it must match eager torch."""
+
+    build: object  # () -> nn.Module, called after torch.manual_seed(0)
+    inputs: object  # (torch.Generator) -> dict of CPU tensors, labels included
+    logits: tuple = (1e-5, 1e-6)  # (rtol, atol)
+    loss: float = 1e-6  # rtol, each step's loss
+    grads: tuple = (1e-5, 1e-6)  # (rtol, atol relative to the model's largest gradient), first step
+    params: tuple = (1e-5, 1e-6)  # (rtol, atol) after the steps, plus Adam's amplification (see _compare)
+    why: str = "float32"
+    fallbacks: dict = field(default_factory=dict)  # op name -> why it runs on the CPU
+    marks: list = field(default_factory=list)
+
+
+def _tokens(generator, length=LENGTH, vocab=VOCAB):
+    return torch.randint(3, vocab, (BATCH, length), generator=generator)
+
+
+def _causal_lm_inputs(generator):
+    ids = _tokens(generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+def _masked_lm_inputs(generator):
+    ids = _tokens(generator)
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # the second sequence is padded
+    labels = torch.full_like(ids, -100)
+    labels[:, 2:6] = ids[:, 2:6]
+    masked = ids.clone()
+    masked[:, 2:6] = 1  # the [MASK] id
+    return {"input_ids": masked, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids), "labels": labels}
+
+
+def _seq2seq_inputs(generator):
+    ids = _tokens(generator)
+    mask = torch.ones_like(ids)
+    mask[1, -4:] = 0
+    labels = _tokens(generator, length=8)
+    labels[1, -2:] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def _image_inputs(generator):
+    return {
+        "pixel_values": torch.randn(BATCH, 3, 16, 16, generator=generator),
+        "labels": torch.randint(0, 5, (BATCH,), generator=generator),
+    }
+
+
+def _speech_inputs(generator):
+    return {
+        "input_features": torch.randn(BATCH, 16, 32, generator=generator),
+        "labels": _tokens(generator, length=8),
+    }
+
+
+def _gpt2():
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _bert():
+    config = transformers.BertConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+        max_position_embeddings=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.BertForMaskedLM(config)
+
+
+def _llama():
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _t5():
+    config = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+        relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+    )  # fmt: skip
+    return transformers.T5ForConditionalGeneration(config)
+
+
+def _vit():
+    config = transformers.ViTConfig(
+        image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, num_labels=5,
+    )  # fmt: skip
+    return transformers.ViTForImageClassification(config)
+
+
+def _whisper():
+    config = transformers.WhisperConfig(
+        vocab_size=VOCAB, num_mel_bins=16, encoder_layers=2, decoder_layers=2, d_model=32,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64,
+        max_source_positions=16, max_target_positions=32, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1,
+        suppress_tokens=None, begin_suppress_tokens=None,
+    )  # fmt: skip
+    return transformers.WhisperForConditionalGeneration(config)
+
+
+def _mixtral():
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2,
+        output_router_logits=True, router_aux_loss_coef=0.02, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config)
+
+
+def _switch():
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        num_experts=4, expert_capacity=8, encoder_sparse_step=1, decoder_sparse_step=1, router_jitter_noise=0.0,
+        dropout_rate=0.0, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+    )  # fmt: skip
+    return transformers.SwitchTransformersForConditionalGeneration(config)
+
+
+CASES = {
+    "gpt2": Case(_gpt2, _causal_lm_inputs),
+    "bert": Case(_bert, _masked_lm_inputs),
+    "llama": Case(_llama, _causal_lm_inputs),
+    "t5": Case(_t5, _seq2seq_inputs),
+    "vit": Case(_vit, _image_inputs),
+    "whisper": Case(_whisper, _speech_inputs),
+    "mixtral": Case(
+        _mixtral,
+        _causal_lm_inputs,
+        fallbacks={
+            "aten._grouped_mm.default": (
+                "no mapping yet: transformers' default experts implementation ('grouped_mm') calls "
+                "torch._grouped_mm on a 'cuda' device; it runs on the host CPU"
+            )
+        },
+    ),
+    "switch": Case(
+        _switch,
+        _seq2seq_inputs,
+        marks=[
+            pytest.mark.xfail(
+                strict=True,
+                reason=(
+                    "captured mode: SwitchTransformersTop1Router.forward calls self.classifier.to(dtype), and "
+                    "Module.to inside a captured region fails (torch.utils.swap_tensors: 'Couldn't swap "
+                    "Linear.weight', the region holds references to the parameter), a graph break; the "
+                    "abandoned trace has already appended traced keys/values to the decoder's "
+                    "EncoderDecoderCache (passed into the region by identity), so the eager re-run sees "
+                    "keys of length 16 and 24 for 8 queries and a leaked JAX tracer "
+                    "(UnexpectedTracerError). Matches eager torch with BRIDGE_MODE=eager."
+                ),
+            )
+        ],
+    ),
+}
+
+
+def _train(model, inputs, device):
+    """Forward, backward and 3 AdamW steps; returns the first logits, the losses, each step's
+    gradients and the final parameters."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE, eps=ADAM_EPS, weight_decay=0.01)
+    inputs = {name: value.to(device) for name, value in inputs.items()}
+    losses, logits, grads = [], None, []
+    for step in range(STEPS):
+        optimizer.zero_grad(set_to_none=True)
+        output = model(**inputs)
+        output.loss.backward()
+        if step == 0:
+            logits = output.logits.detach().cpu()
+        grads.append({name: p.grad.detach().cpu() for name, p in model.named_parameters() if p.grad is not None})
+        losses.append(output.loss.item())
+        optimizer.step()
+    params = {name: p.detach().cpu() for name, p in model.named_parameters()}
+    return logits, losses, grads, params
+
+
+def _largest(tensors):
+    return max(tensor.abs().max().item() for tensor in tensors)
+
+
+def _compare(case, reference, result):
+    """Assert that the bridge's run matches eager torch's; returns the worst differences, relative."""
+    expected_logits, expected_losses, expected_steps, expected_params = reference
+    logits, losses, steps, params = result
+    expected_grads, grads = expected_steps[0], steps[0]
+    worst = {}
+
+    torch.testing.assert_close(logits, expected_logits, rtol=case.logits[0], atol=case.logits[1])
+    worst["logits"] = _largest([logits - expected_logits]) / _largest([expected_logits])
+    worst["loss"] = max(abs(actual - expected) / abs(expected) for expected, actual in zip(expected_losses, losses))
+    assert worst["loss"] <= case.loss, f"losses of {STEPS} steps: eager {expected_losses}, bridge {losses}"
+
+    # Gradients: atol is relative to the model's largest gradient (the scale of the loss's terms).
+    assert sorted(grads) == sorted(expected_grads), "different parameters received gradients"
+    scale = _largest(expected_grads.values())
+    for name, expected in expected_grads.items():
+        torch.testing.assert_close(
+            grads[name], expected, rtol=case.grads[0], atol=case.grads[1] * scale,
+            msg=lambda message: f"gradient of {name}: {message}",
+        )  # fmt: skip
+    worst["grads"] = _largest(grads[name] - expected for name, expected in expected_grads.items()) / scale
+
+    # Parameters after the steps. Adam's first update of an element is lr * g / (|g| + eps): where |g|
+    # is near or below eps = 1e-8, it turns a gradient's rounding error into a parameter difference
+    # (up to 2 lr where rounding flips the sign: an attention key bias, whose exact gradient is 0
+    # since softmax ignores a constant added to every score, comes out as ~1e-10 of either sign at
+    # every step). So each element may differ, beyond the tolerance, by what Adam makes of the
+    # difference of each step's gradients: lr * |du/dg| * |difference| a step, twice that as a margin
+    # (later steps divide by accumulated moments), never more than the 2 lr of a flipped sign.
+    quiet_difference, amplified_difference, amplified_count = 0.0, 0.0, 0
+    for name, expected in expected_params.items():
+        difference = (params[name] - expected).abs()
+        allowed = case.params[1] + case.params[0] * expected.abs()
+        amplified = torch.zeros_like(expected)
+        for expected_step, step in zip(expected_steps, steps):
+            if name in expected_step:
+                gradient_difference = (step[name] - expected_step[name]).abs()
+                smallest = torch.minimum(step[name].abs(), expected_step[name].abs())
+                slope = ADAM_EPS / (smallest + ADAM_EPS) ** 2
+                amplified += LEARNING_RATE * torch.clamp(2 * slope * gradient_difference, max=2.0)
+        excess = difference - allowed - amplified
+        assert excess.max() <= 0, (
+            f"{name} after {STEPS} AdamW steps: {int((excess > 0).sum())} elements differ by more than "
+            f"atol {case.params[1]} + rtol {case.params[0]} + Adam's amplification of the gradient's "
+            f"difference, by up to {excess.max().item():.3g} more"
+        )
+        sensitive = amplified > case.params[1]
+        quiet_difference = max(quiet_difference, difference[~sensitive].max().item() if (~sensitive).any() else 0.0)
+        if sensitive.any():
+            amplified_difference = max(amplified_difference, difference[sensitive].max().item())
+            amplified_count += int(sensitive.sum())
+    worst["params"] = quiet_difference
+    worst["amplified by Adam"] = (amplified_count, amplified_difference)
+    return worst
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=case.marks, id=name) for name, case in CASES.items()])
+def test_model_trains_like_eager_torch(name, bridged):
+    case = CASES[name]
+    torch.manual_seed(0)
+    model = case.build()
+    model.train()
+    reference_model = copy.deepcopy(model)
+    inputs = case.inputs(torch.Generator().manual_seed(1))
+
+    reference = _train(reference_model, inputs, "cpu")
+    stats.reset()
+    result = _train(model.to("cuda"), inputs, "cuda")
+    # Plans are cached across tests, so a fallback is recognised by its rung, not by its first-call record.
+    fallbacks = sorted({item["op"] for item in stats.summary()["ops"] if item["rung"] == stats.CPU_FALLBACK})
+
+    worst = _compare(case, reference, result)
+    # Shown with `pytest -s`.
+    print(f"\n{name}: " + ", ".join(f"{key} {value:.2g}" if isinstance(value, float) else f"{key} {value}" for key, value in worst.items()) + f" ({case.why})")
+    assert fallbacks == sorted(case.fallbacks), f"ops that ran on the host CPU: {fallbacks}"
