@@ -51,11 +51,6 @@ IN_PLACE_VIEW = (
     "runtime: in-place ops are derived by writing the functional result back into the tensor, so "
     "in-place view ops cannot change its shape ({op})"
 )
-DEVICE_FROM_PYTHON = (
-    "runtime: torch's Python decomposition of {op} builds aten.arange(..., device=self.device); a bridge "
-    "tensor reports 'cuda' there, so the factory reaches torch's real CUDA backend "
-    "('Could not run aten::empty.memory_format ... CUDA')"
-)
 ZERO_GRADIENT_ON_CPU = (
     "runtime: torch's autograd formula or engine makes this zero gradient with {op}(..., device='cpu') "
     "(the device a bridge tensor reports to C++), so the gradient comes back as a plain CPU tensor"
@@ -111,12 +106,6 @@ OPINFO = {
     "polar": [ExpectedFailure("bug in the aten.polar mapping: polar(1., .5) gives 0.479+0j (sin(.5) as the real part)", F32_F64)],
     "cov": [ExpectedFailure("torch's decomposition of cov ends in aten.complex(real, 0): " + COMPLEX_REAL_PART, (torch.complex64,), FORWARD)],
     "corrcoef": [ExpectedFailure("goes through cov: " + COMPLEX_REAL_PART, (torch.complex64,), FORWARD)],
-    "nn.functional.pad.replicate_negative": [
-        ExpectedFailure("bug in the aten.replication_pad2d mapping: negative padding raises \"index can't contain negative values\"")
-    ],
-    "nn.functional.unfold": [
-        ExpectedFailure("bug in the aten.im2col mapping: an empty batch raises ZeroDivisionError (integer modulo by zero)")
-    ],
     "put": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.put"), (torch.bool,), FORWARD)],
     "scatter_add": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.scatter_add"), (torch.bool,), FORWARD)],
     "scatter_reduce.sum": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.scatter_reduce.two"), (torch.bool,), FORWARD)],
@@ -130,12 +119,6 @@ OPINFO = {
     "stft": [ExpectedFailure(IN_PLACE_VIEW.format(op="torch.stft transposes its result with aten.transpose_"))],
     "resize_": [ExpectedFailure(IN_PLACE_VIEW.format(op="aten.resize_"), phases=FORWARD)],
     # ---- runtime: factories that reach torch's real CUDA backend
-    "nn.functional.max_unpool1d": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool2d"))],
-    "nn.functional.max_unpool1d.grad": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool2d"))],
-    "nn.functional.max_unpool2d": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool2d"))],
-    "nn.functional.max_unpool2d.grad": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool2d"))],
-    "nn.functional.max_unpool3d": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool3d"))],
-    "nn.functional.max_unpool3d.grad": [ExpectedFailure(DEVICE_FROM_PYTHON.format(op="max_unpool3d"))],
     "empty_permuted": [
         ExpectedFailure(
             "runtime: torch.empty_permuted is not among the factories bridge/patches/devices.py routes, so "

@@ -569,6 +569,13 @@ def _im2col(input, kernel_size, dilation, padding, stride):
     batched = input.ndim == 4
     if not batched:
         input = input[None]
+    if input.size == 0:
+        # conv_general_dilated_patches divides by the batch size; an empty input has empty columns.
+        blocks = math.prod(
+            (input.shape[2 + i] + 2 * padding[i] - dilation[i] * (kernel_size[i] - 1) - 1) // stride[i] + 1 for i in range(2)
+        )
+        columns = jnp.zeros((input.shape[0], input.shape[1] * math.prod(kernel_size), blocks), dtype=input.dtype)
+        return columns if batched else columns[0]
     patches = lax.conv_general_dilated_patches(
         input,
         filter_shape=tuple(kernel_size),
@@ -834,3 +841,30 @@ def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     out = contract(pair, pair_keep, squeezed[2], present[2], keep)
     # Dims no operand has (size 1 everywhere) and that are not summed stay in the output.
     return out.reshape(tuple(1 if d not in keep else sizes[d] for d in range(ndim) if d not in summed))
+
+
+# ---------------------------------------------------------------- max_unpool (the inverse of max pooling)
+
+
+@_compiled("output_size")
+def _max_unpool(self, indices, output_size):
+    """Each value written at the flat position its index names in the output plane (later
+    duplicates win, as in torch's sequential kernel)."""
+    spatial = len(output_size)
+    batch = self.shape[: self.ndim - spatial]
+    plane = math.prod(output_size)
+    values = self.reshape((-1, math.prod(self.shape[self.ndim - spatial :])))
+    flat_indices = indices.reshape(values.shape)
+    out = jnp.zeros((values.shape[0], plane), dtype=self.dtype)
+    out = jax.vmap(lambda o, i, v: o.at[i].set(v, mode="drop"))(out, flat_indices, values)
+    return out.reshape(batch + tuple(output_size))
+
+
+@register_mapping(aten.max_unpool2d.default)
+def max_unpool2d(self, indices, output_size):
+    return _max_unpool(self, indices, tuple(output_size))
+
+
+@register_mapping(aten.max_unpool3d.default)
+def max_unpool3d(self, indices, output_size, stride, padding):
+    return _max_unpool(self, indices, tuple(output_size))

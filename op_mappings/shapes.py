@@ -7,6 +7,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from runtime import dtypes
@@ -396,7 +397,15 @@ def reflection_pad(self, padding):
 
 @register_mapping(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
 def replication_pad(self, padding):
-    return jnp.pad(self, _pad_widths(self.ndim, padding), mode="edge")
+    # Output element i along an axis reads input element clip(i - before): negative widths crop,
+    # as in torch, which jnp.pad refuses.
+    out = self
+    for axis, (before, after) in enumerate(_pad_widths(self.ndim, padding)):
+        if before or after:
+            size = self.shape[axis]
+            source = np.clip(np.arange(size + before + after) - before, 0, size - 1)
+            out = jnp.take(out, source, axis=axis)
+    return out
 
 
 def _pullback(forward, primal, cotangent):
