@@ -868,3 +868,79 @@ def max_unpool2d(self, indices, output_size):
 @register_mapping(aten.max_unpool3d.default)
 def max_unpool3d(self, indices, output_size, stride, padding):
     return _max_unpool(self, indices, tuple(output_size))
+
+
+# ---------------------------------------------------------------- fractional max pooling
+
+
+def _fractional_starts(sample, input_size, output_size, pool_size):
+    """torch's window starts from one random sample u in [0, 1): int((i + u) * alpha) - int(u * alpha),
+    alpha = (input - pool) / (output - 1), in the samples' dtype; the last window ends at the input's end."""
+    dtype = sample.dtype
+    last = jnp.full(sample.shape + (1,), input_size - pool_size, dtype=jnp.int64)
+    if output_size == 1:
+        return last
+    alpha = (jnp.asarray(input_size - pool_size, dtype) / jnp.asarray(output_size - 1, dtype)).astype(dtype)
+    steps = jnp.arange(output_size - 1, dtype=dtype)
+    scaled = ((steps + sample[..., None]).astype(dtype) * alpha).astype(dtype)
+    starts = jnp.trunc(scaled).astype(jnp.int64) - jnp.trunc((sample * alpha).astype(dtype)).astype(jnp.int64)[..., None]
+    return jnp.concatenate([starts, last], axis=-1)
+
+
+@_compiled("kernel_size", "output_size")
+def _fractional_max_pool(input, kernel_size, output_size, random_samples):
+    spatial = len(kernel_size)
+    batched = input.ndim == spatial + 2
+    if not batched:
+        input = input[None]
+    sizes = input.shape[2:]
+    samples = random_samples.astype(input.dtype) if random_samples.dtype != input.dtype else random_samples
+    # 2d samples are (w, h); 3d samples are (t, h, w).
+    order = (1, 0) if spatial == 2 else (0, 1, 2)
+    starts = [_fractional_starts(samples[..., order[i]], sizes[i], output_size[i], kernel_size[i]) for i in range(spatial)]
+    # positions[i]: (N, C, out_i, kernel_i) source positions along spatial axis i.
+    positions = [starts[i][..., None] + jnp.arange(kernel_size[i]) for i in range(spatial)]
+    flat_input = input.reshape(input.shape[:2] + (-1,))
+    # Flat index of every window element, axes (N, C, out_0, k_0, out_1, k_1[, out_2, k_2]).
+    flat = jnp.zeros((), dtype=jnp.int64)
+    for i in range(spatial):
+        stride = math.prod(sizes[i + 1 :])
+        shape = [input.shape[0], input.shape[1]] + [1] * (2 * spatial)
+        shape[2 + 2 * i] = output_size[i]
+        shape[3 + 2 * i] = kernel_size[i]
+        flat = flat + (positions[i] * stride).reshape(shape)
+    flat = jnp.broadcast_to(flat, input.shape[:2] + tuple(x for i in range(spatial) for x in (output_size[i], kernel_size[i])))
+    # Bring the window axes last (row-major within the window), one row per output.
+    permutation = (0, 1) + tuple(2 + 2 * i for i in range(spatial)) + tuple(3 + 2 * i for i in range(spatial))
+    flat = jnp.transpose(flat, permutation).reshape(input.shape[:2] + tuple(output_size) + (-1,))
+    windows = jnp.take_along_axis(flat_input, flat.reshape(input.shape[:2] + (-1,)), axis=2).reshape(flat.shape)
+    # torch keeps the first of equal maxima but the last NaN (see _first_maximum).
+    is_nan = windows != windows
+    span = windows.shape[-1]
+    last_nan = span - 1 - jnp.argmax(is_nan[..., ::-1], axis=-1)
+    choice = jnp.where(jnp.any(is_nan, axis=-1), last_nan, jnp.argmax(windows, axis=-1))
+    values = jnp.take_along_axis(windows, choice[..., None], axis=-1)[..., 0]
+    indices = jnp.take_along_axis(flat, choice[..., None], axis=-1)[..., 0]
+    if not batched:
+        values, indices = values[0], indices[0]
+    return values, indices
+
+
+@register_mapping(aten.fractional_max_pool2d.default)
+def fractional_max_pool2d(self, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(self, _expand(kernel_size, 2), _expand(output_size, 2), random_samples)
+
+
+@register_mapping(aten.fractional_max_pool3d.default)
+def fractional_max_pool3d(self, kernel_size, output_size, random_samples):
+    return _fractional_max_pool(self, _expand(kernel_size, 3), _expand(output_size, 3), random_samples)
+
+
+@register_mapping(aten.fractional_max_pool2d_backward.default)
+def fractional_max_pool2d_backward(grad_output, self, kernel_size, output_size, indices):
+    return _max_pool_backward(grad_output, self, indices, 2)
+
+
+@register_mapping(aten.fractional_max_pool3d_backward.default)
+def fractional_max_pool3d_backward(grad_output, self, kernel_size, output_size, indices):
+    return _max_pool_backward(grad_output, self, indices, 3)
