@@ -648,20 +648,24 @@ def _segment_reduce(data, reduce, lengths, offsets, axis, initial):
     trailing = data.ndim - axis - 1
     mask = mask.reshape(mask.shape + (1,) * trailing)
     result_dtype = data.dtype
-    data = data.astype(_accumulator(data.dtype))  # torch accumulates bfloat16/float16 in float32
     expanded = jnp.expand_dims(data, axis)  # (batch..., 1, N, rest...)
     over = axis + 1
     counts = lengths.reshape(lengths.shape + (1,) * trailing).astype(data.dtype)
-    if reduce in ("sum", "mean"):
-        result = jnp.sum(jnp.where(mask, expanded, 0), axis=over)
-        if initial is not None:
-            result = result + initial
+    if reduce in ("sum", "mean", "prod"):
+        # torch adds (multiplies) each segment's elements in order in the data's own dtype, starting
+        # from `initial`: a scan over the positions rounds as it does (bfloat16 included).
+        combine = jnp.multiply if reduce == "prod" else jnp.add
+        start = (1 if reduce == "prod" else 0) if initial is None else initial
+        accumulator = jnp.full(mask.shape[:over] + data.shape[over:], start, data.dtype)
+
+        def add_position(accumulator, position):
+            selected = jnp.take(mask, position, axis=over)
+            element = jnp.expand_dims(jnp.take(data, position, axis=axis), axis)
+            return jnp.where(selected, combine(accumulator, element), accumulator), None
+
+        result, _ = lax.scan(add_position, accumulator, jnp.arange(size))
         if reduce == "mean":
             result = jnp.where(counts > 0, result / jnp.where(counts > 0, counts, 1), jnp.nan if initial is None else initial)
-    elif reduce == "prod":
-        result = jnp.prod(jnp.where(mask, expanded, 1), axis=over)
-        if initial is not None:
-            result = result * initial
     elif reduce in ("max", "min"):
         identity = -jnp.inf if reduce == "max" else jnp.inf
         chooser = jnp.max if reduce == "max" else jnp.min
