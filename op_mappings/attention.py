@@ -26,9 +26,7 @@ def _accumulator(dtype):
 def _attention(query, key, value, is_causal, attn_mask, scale):
     """(output, logsumexp of the scaled, masked scores); softmax in float32 for half-precision inputs.
 
-    On GPU, `jax.nn.dot_product_attention` (cuDNN flash attention) could replace this body for
-    bfloat16/float16 inputs without a float mask; it returns no logsumexp, so the backward would
-    have to come from its own vjp.
+    In captured regions on a GPU, `_cudnn_output` replaces the output for half-precision inputs.
     """
     accumulator = _accumulator(query.dtype)
     if scale is None:
@@ -77,12 +75,51 @@ def _check_dropout(dropout_p):
         raise NotImplementedError("scaled_dot_product_attention_flash_attention: Currently do not support dropout > 0")
 
 
+def _on_gpu():
+    from runtime import devices
+
+    return devices.jax_device(0).platform == "gpu"
+
+
+def _cudnn_output(query, key, value, is_causal, attn_mask, scale):
+    """cuDNN's fused attention for the output, where it applies: inside a captured region (whose
+    gradient is JAX's vjp, so the logsumexp output goes unused and XLA drops its computation),
+    on a GPU, bfloat16/float16, no explicit mask, equal query and key lengths when causal, and
+    head sizes cuDNN takes. None where it does not apply."""
+    if not (
+        config.settings.tracing
+        and query.dtype in _LOW_PRECISION
+        and attn_mask is None
+        and query.ndim == 4
+        and query.shape[-1] == value.shape[-1]
+        and query.shape[-1] % 8 == 0
+        and query.shape[-1] <= 128
+        and (not is_causal or query.shape[-2] == key.shape[-2])
+        and _on_gpu()
+    ):
+        return None
+    try:
+        out = jax.nn.dot_product_attention(
+            jnp.swapaxes(query, 1, 2),  # torch's (batch, heads, length, dim) -> JAX's (batch, length, heads, dim)
+            jnp.swapaxes(key, 1, 2),
+            jnp.swapaxes(value, 1, 2),
+            scale=scale,
+            is_causal=is_causal,
+            implementation="cudnn",
+        )
+    except Exception:  # noqa: BLE001 - cuDNN refuses this shape or build: XLA's attention below serves
+        return None
+    return jnp.swapaxes(out, 1, 2)
+
+
 @register_mapping(aten._scaled_dot_product_flash_attention_for_cpu.default)
 def scaled_dot_product_flash_attention_for_cpu(
     query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
 ):
     _check_dropout(dropout_p)
-    return _attention(query, key, value, is_causal=is_causal, attn_mask=attn_mask, scale=scale)
+    out, logsumexp = _attention(query, key, value, is_causal=is_causal, attn_mask=attn_mask, scale=scale)
+    fused = _cudnn_output(query, key, value, is_causal, attn_mask, scale)
+    return (out if fused is None else fused), logsumexp
 
 
 @register_mapping(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)

@@ -429,6 +429,7 @@ class Compile:
 
 breaks = []  # Break records (the run report lists them)
 compiles = []  # Compile records
+fused_steps = {}  # optimizer name -> steps run as one program (bridge/patches/capture.py)
 
 
 def _user_site(error):
@@ -563,6 +564,7 @@ class Region:
 def reset():
     breaks.clear()
     compiles.clear()
+    fused_steps.clear()
 
 
 def summary():
@@ -571,6 +573,7 @@ def summary():
         "mode": settings.mode,
         "compiles": [dataclasses.asdict(record) for record in compiles],
         "graph_breaks": [dataclasses.asdict(record) for record in breaks],
+        "optimizer_steps_as_one_program": dict(fused_steps),
     }
 
 

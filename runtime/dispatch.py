@@ -210,7 +210,24 @@ def _apply_corrections(out, corrections):
 # ---------------------------------------------------------------- plans
 
 
+def _alias_plan(args, kwargs):
+    """detach/alias: a new tensor sharing the value and view chain, with no JAX call (autograd
+    detaches every gradient it accumulates, so this is on the path of each training step)."""
+    base = args[0]
+    out = BridgeTensor(read_value(base), base._index)
+    _make_view(out, base if base._root is None else base._root, base._chain)
+    return out
+
+
+_SHARING_VIEWS = {aten.detach.default, aten.alias.default}
+
+
 def _make_plan(func):
+    if func in _SHARING_VIEWS:
+        _plans[func] = _alias_plan
+        stats.op_rung[func] = stats.MAPPED
+        stats.op_family[func] = "shapes"
+        return _alias_plan
     mapping = MAPPINGS.get(func)
     schema = func._schema
     if mapping is not None:

@@ -279,6 +279,7 @@ def adam(wrapped, instance, args, kwargs):
     for tensors, values in ((params, new_params), (a["exp_avgs"], new_avgs), (a["exp_avg_sqs"], new_sqs), (maxes, new_maxes)):
         for tensor, value in zip(tensors, values):
             write_value(tensor, value)
+    capture.fused_steps["adam"] = capture.fused_steps.get("adam", 0) + 1
     return None
 
 
@@ -322,6 +323,7 @@ def sgd(wrapped, instance, args, kwargs):
                 buffers[i] = BridgeTensor(value, params[i]._index)  # torch: a copy of the gradient
             else:
                 write_value(buffers[i], value)
+    capture.fused_steps["sgd"] = capture.fused_steps.get("sgd", 0) + 1
     return None
 
 
