@@ -65,7 +65,8 @@ ROUNDING_LOW_PRECISION = (
 )
 MATRIX_EXP_ROUNDING = (
     "rounding: torch's Taylor polynomial of degree 18 (Bader, Blanes, Casas) and jax.scipy's Pade approximant "
-    "round differently on entries of size 1e5 to 1e6; the bridge's result is as close to the float64 one as torch's"
+    "round differently; the bridge's result is as close to the float64 one as torch's (float32 5x5x5 sample: "
+    "bridge 0.031 from float64, torch 0.05)"
 )
 FFT_ROUNDING = (
     "rounding: XLA's FFT and pocketfft round differently on outputs that sum 360 terms; the bridge's result is "
@@ -150,6 +151,7 @@ OPINFO = {
         ),
         ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.complex64,), FORWARD, kinds=("rounding",)),
         ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.float32,), BACKWARD, kinds=("rounding",)),
+        ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.float32,), FORWARD, quick=False, kinds=("rounding",)),
     ],
     # ---- rounding (the sweep re-judges these against float64 each run: kinds=("rounding",))
     "_batch_norm_with_update": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
@@ -161,6 +163,16 @@ OPINFO = {
     "nn.functional.conv_transpose1d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "nn.functional.conv_transpose2d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "nn.functional.conv_transpose3d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
+    "triangular_solve": [
+        ExpectedFailure(
+            "rounding: the float32 gradient of an ill-conditioned triangular sample differs from torch's by 7.6e-5 "
+            "(of 45) and is about as close to the float64 one (8.1e-4 against torch's 6.5e-4)",
+            (torch.float32,),
+            BACKWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
     "fft.hfft2": [
         ExpectedFailure(
             FFT_ROUNDING,
