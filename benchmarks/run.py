@@ -12,6 +12,7 @@ max_memory_allocated, or JAX's peak_bytes_in_use of the device.
 """
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -27,15 +28,15 @@ REPO = os.path.dirname(HERE)
 CASES = {
     "gpt2": [
         ("fp32", "torch"),
-        ("fp32", "torch-compile"),
         ("fp32", "jax"),
         ("fp32", "bridge-captured"),
         ("fp32-high", "bridge-captured"),
-        ("fp32", "bridge-eager"),
         ("bf16", "torch"),
-        ("bf16", "torch-compile"),
         ("bf16", "jax"),
         ("bf16", "bridge-captured"),
+        ("bf16", "torch-compile"),
+        ("fp32", "torch-compile"),
+        ("fp32", "bridge-eager"),
     ],
     "resnet50": [
         ("fp32", "torch"),
@@ -149,6 +150,7 @@ def _items_per_second(result, tiny):
     return per_step / (result["step_ms"] / 1e3), unit
 
 
+@functools.lru_cache(maxsize=None)
 def machine():
     info = {"python": platform.python_version(), "host": platform.node(), "cpu_count": os.cpu_count()}
     try:
@@ -231,6 +233,25 @@ def _svg(results):
     return _bar_chart("Step time (ms, median; lower is better)", values, "ms").split("</h2>", 1)[1]
 
 
+def _write(options, argv, results):
+    """Write the results files (JSON, Markdown, SVG) for the cases run so far."""
+    info = machine()
+    os.makedirs(options.out, exist_ok=True)
+    base = os.path.join(options.out, options.name)
+    with open(base + ".json", "w") as handle:
+        json.dump({"machine": dict(info), "command": " ".join(["python", "benchmarks/run.py", *(argv or sys.argv[1:])]), "results": results}, handle, indent=2)
+    with open(base + ".svg", "w") as handle:
+        handle.write(_svg(results))
+    text = (
+        f"# {options.name}\n\nCommand: `python benchmarks/run.py {' '.join(argv or sys.argv[1:])}`; "
+        f"generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
+        f"Machine: {json.dumps(info)}\n\n{_table(results, options.tiny)}\n\n## Ratios (same run)\n\n{_ratios(results)}\n"
+    )
+    with open(base + ".md", "w") as handle:
+        handle.write(text)
+    return text
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default="gpt2,resnet50")
@@ -272,20 +293,8 @@ def main(argv=None):
                 result = {"workload": workload, "precision": precision, "case": case, "error": f"over {options.timeout} s"}
             print(json.dumps(result), flush=True)
             results.append(result)
-    info = machine()
-    os.makedirs(options.out, exist_ok=True)
-    base = os.path.join(options.out, options.name)
-    with open(base + ".json", "w") as handle:
-        json.dump({"machine": info, "command": " ".join(["python", "benchmarks/run.py", *(argv or sys.argv[1:])]), "results": results}, handle, indent=2)
-    with open(base + ".svg", "w") as handle:
-        handle.write(_svg(results))
-    text = (
-        f"# {options.name}\n\nCommand: `python benchmarks/run.py {' '.join(argv or sys.argv[1:])}`; "
-        f"generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
-        f"Machine: {json.dumps(info)}\n\n{_table(results, options.tiny)}\n\n## Ratios (same run)\n\n{_ratios(results)}\n"
-    )
-    with open(base + ".md", "w") as handle:
-        handle.write(text)
+            _write(options, argv, results)  # after every case: a run cut short keeps what it measured
+    text = _write(options, argv, results)
     print(text)
     return 0
 
