@@ -8,12 +8,14 @@ torch on the CPU, beyond those listed per model with their reason.
 
 Tolerances (float32 everywhere; XLA and torch's CPU kernels sum in different orders, so results
 differ by a few units of float32's last place, 1.2e-7 relative, growing with the length of a sum):
-logits rtol 1e-5 / atol 1e-6 (logits are O(1); measured <= 4e-7 of the largest), each step's loss
-rtol 1e-6 (measured <= 2.1e-7), gradients rtol 1e-5 / atol 1e-6 of the model's largest gradient
-(measured <= 6.3e-7), parameters after the steps rtol 1e-5 / atol 1e-6 (lr 1e-3 times update
-differences of ~1e-4 relative; measured <= 1e-6), plus, element by element, what Adam's division
-by the gradient's own size makes of the gradients' difference where a gradient is near Adam's eps
-(see _compare). The same for every model: none needs more.
+- logits: rtol 1e-5, atol 1e-6 of the largest logit (measured <= 6e-7 of it);
+- each step's loss: rtol 1e-6 (measured <= 2.3e-7);
+- gradients: rtol 1e-5, atol 1e-6 of the model's largest gradient (measured <= 6.3e-7; Switch in
+  eager mode 1e-6, within by rtol);
+- parameters after the steps: rtol 1e-5, atol 1e-6 (lr 1e-3 times update differences of ~1e-4
+  relative; measured <= 1e-6), plus, element by element, what Adam's division by the gradient's own
+  size makes of the gradients' difference where a gradient is near Adam's eps (see _compare).
+The same for every model: none needs more.
 
 The optional group `hf` (pip install -e ".[hf]"); deselect with `pytest -m "not hf"`.
 """
@@ -29,6 +31,7 @@ transformers = pytest.importorskip(
 )
 
 from runtime import stats  # noqa: E402
+from runtime.config import settings  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -42,7 +45,7 @@ class Case:
 
     build: object  # () -> nn.Module, called after torch.manual_seed(0)
     inputs: object  # (torch.Generator) -> dict of CPU tensors, labels included
-    logits: tuple = (1e-5, 1e-6)  # (rtol, atol)
+    logits: tuple = (1e-5, 1e-6)  # (rtol, atol relative to the largest logit)
     loss: float = 1e-6  # rtol, each step's loss
     grads: tuple = (1e-5, 1e-6)  # (rtol, atol relative to the model's largest gradient), first step
     params: tuple = (1e-5, 1e-6)  # (rtol, atol) after the steps, plus Adam's amplification (see _compare)
@@ -189,6 +192,7 @@ CASES = {
         why="top-1 routing with expert capacity, router z-loss and load-balancing loss",
         marks=[
             pytest.mark.xfail(
+                settings.capture,  # BRIDGE_MODE=eager: passes
                 strict=True,
                 reason=(
                     "captured mode: SwitchTransformersTop1Router.forward calls self.classifier.to(dtype), and "
@@ -236,8 +240,9 @@ def _compare(case, reference, result):
     expected_grads, grads = expected_steps[0], steps[0]
     worst = {}
 
-    torch.testing.assert_close(logits, expected_logits, rtol=case.logits[0], atol=case.logits[1])
-    worst["logits"] = _largest([logits - expected_logits]) / _largest([expected_logits])
+    logit_scale = _largest([expected_logits])
+    torch.testing.assert_close(logits, expected_logits, rtol=case.logits[0], atol=case.logits[1] * logit_scale)
+    worst["logits"] = _largest([logits - expected_logits]) / logit_scale
     worst["loss"] = max(abs(actual - expected) / abs(expected) for expected, actual in zip(expected_losses, losses))
     assert worst["loss"] <= case.loss, f"losses of {STEPS} steps: eager {expected_losses}, bridge {losses}"
 
