@@ -163,6 +163,16 @@ OPINFO = {
     "nn.functional.conv_transpose1d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "nn.functional.conv_transpose2d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "nn.functional.conv_transpose3d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
+    "linalg.householder_product": [
+        ExpectedFailure(
+            "rounding: float32 gradients of samples with large tau (4.3, -4.4) differ from torch's by up to 2.6e-3 "
+            "(of 65) and are as close to the float64 ones (2.9e-3 against torch's 5.5e-3)",
+            (torch.float32,),
+            BACKWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
     "triangular_solve": [
         ExpectedFailure(
             "rounding: the float32 gradient of an ill-conditioned triangular sample differs from torch's by 7.6e-5 "
