@@ -944,3 +944,113 @@ def fractional_max_pool2d_backward(grad_output, self, kernel_size, output_size, 
 @register_mapping(aten.fractional_max_pool3d_backward.default)
 def fractional_max_pool3d_backward(grad_output, self, kernel_size, output_size, indices):
     return _max_pool_backward(grad_output, self, indices, 3)
+
+
+# ---------------------------------------------------------------- grid sampling (backward)
+
+
+def _grid_sample_2d(input, grid, interpolation_mode, padding_mode, align_corners):
+    """torch's grid_sampler_2d (its decomposition, in JAX) for the backward's vjp.
+
+    Clamps, reflections and absolute values are written as `where`s so that their derivative at
+    the boundary is 1, as in torch's backward kernel (JAX's min/max split ties in half).
+    """
+    batch, channels, height, width = input.shape
+
+    def unnormalize(coords, size):
+        scale = (size * 0.5 - 0.5) if align_corners else size * 0.5
+        return coords * scale + (size * 0.5 - 0.5)
+
+    def clamp(coords, size):
+        return jnp.where(coords < 0, 0.0, jnp.where(coords > size - 1, size - 1.0, coords)).astype(coords.dtype)
+
+    def reflect(coords, twice_low, twice_high):
+        if twice_low == twice_high:
+            return jnp.zeros_like(coords)
+        low = twice_low / 2
+        span = (twice_high - twice_low) / 2
+        shifted = coords - low
+        distance = jnp.where(shifted < 0, -shifted, shifted)
+        extra = jnp.fmod(distance, span)
+        flips = jnp.floor(distance / span).astype(jnp.int32)
+        return jnp.where(flips % 2 == 0, extra + low, span + low - extra)
+
+    def pad(coords, size):
+        if padding_mode == 0:
+            return coords
+        if padding_mode == 1:
+            return clamp(coords, size)
+        if align_corners:
+            return clamp(reflect(coords, 0, 2 * (size - 1)), size)
+        return clamp(reflect(coords, -1, 2 * size - 1), size)
+
+    flat_input = input.reshape(batch, channels, height * width)
+
+    def gather(taps):
+        """sum over taps (xs, ys, weight) of input[ys, xs] * weight, as one gather (and one scatter in
+        the vjp): compiling a gather per tap made bicubic's backward take seconds per signature."""
+        xs = jnp.stack([tap[0] for tap in taps], axis=1)  # (N, taps, oH, oW)
+        ys = jnp.stack([tap[1] for tap in taps], axis=1)
+        weights = jnp.stack([jnp.broadcast_to(tap[2], xs.shape[:1] + xs.shape[2:]) for tap in taps], axis=1)
+        inside = (xs >= 0) & (xs < width) & (ys >= 0) & (ys < height)
+        flat = jnp.where(inside, ys * width + xs, 0).astype(jnp.int64).reshape(batch, 1, -1)
+        values = jnp.take_along_axis(flat_input, flat, axis=2).reshape((batch, channels) + xs.shape[1:])
+        weights = jnp.where(inside, weights, jnp.zeros((), input.dtype))
+        return jnp.sum(values * weights[:, None], axis=2)
+
+    x, y = grid[..., 0], grid[..., 1]
+    if interpolation_mode == 0:
+        ix, iy = pad(unnormalize(x, width), width), pad(unnormalize(y, height), height)
+        west, north = jnp.floor(ix), jnp.floor(iy)
+        east, south = west + 1, north + 1
+        return gather(
+            [
+                (west, north, (east - ix) * (south - iy)),
+                (east, north, (ix - west) * (south - iy)),
+                (west, south, (east - ix) * (iy - north)),
+                (east, south, (ix - west) * (iy - north)),
+            ]
+        )
+    if interpolation_mode == 1:
+        ix, iy = pad(unnormalize(x, width), width), pad(unnormalize(y, height), height)
+        return gather([(jnp.round(ix), jnp.round(iy), jnp.ones_like(ix))])
+    ix, iy = unnormalize(x, width), unnormalize(y, height)
+    west, north = jnp.floor(ix), jnp.floor(iy)
+    tx, ty = ix - west, iy - north
+    a = -0.75
+
+    def coefficients(t):
+        near = lambda v: ((a + 2) * v - (a + 3)) * v * v + 1  # noqa: E731
+        far = lambda v: ((a * v - 5 * a) * v + 8 * a) * v - 4 * a  # noqa: E731
+        return far(t + 1.0), near(t), near(1.0 - t), far(2.0 - t)
+
+    column_weights, row_weights = coefficients(tx), coefficients(ty)
+    return gather(
+        [
+            (pad(west + (column - 1), width), pad(north + (row - 1), height), column_weights[column] * row_weights[row])
+            for row in range(4)
+            for column in range(4)
+        ]
+    )
+
+
+@_compiled("interpolation_mode", "padding_mode", "align_corners", "output_mask")
+def _grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    accumulator = _accumulator(input.dtype)
+
+    def forward(input, grid):
+        return _grid_sample_2d(input, grid, interpolation_mode, padding_mode, align_corners)
+
+    _, pullback = jax.vjp(forward, input.astype(accumulator), grid.astype(accumulator))
+    grad_input, grad_grid = pullback(grad_output.astype(accumulator))
+    return (
+        grad_input.astype(input.dtype) if output_mask[0] else None,
+        grad_grid.astype(grid.dtype) if output_mask[1] else None,
+    )
+
+
+@register_mapping(aten.grid_sampler_2d_backward.default)
+def grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    return _grid_sampler_2d_backward(
+        grad_output, input, grid, interpolation_mode, padding_mode, align_corners, tuple(output_mask)
+    )

@@ -7,6 +7,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
 
 from runtime import dtypes
 from runtime.registry import aten, jnp_dtype, register_mapping
@@ -299,3 +301,130 @@ def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_tar
     grad = (gained - lost) * scale
     grad = grad * _per_sample_grad(grad_output, reduction, samples, accumulator)
     return grad.reshape(self.shape).astype(self.dtype)
+
+
+# ---------------------------------------------------------------- connectionist temporal classification
+#
+# torch's CPU kernels, batched: log_alpha over (time, batch, extended target) by a scan over time,
+# log-sum-exps with torch's "max, or 0 when all are -inf" shift. The lengths are static int lists.
+
+
+def _log_sum_exp(*terms):
+    maximum = terms[0]
+    for term in terms[1:]:
+        maximum = jnp.maximum(maximum, term)
+    shift = jnp.where(maximum == -jnp.inf, jnp.zeros((), maximum.dtype), maximum)
+    return jnp.log(sum(jnp.exp(term - shift) for term in terms)) + shift
+
+
+def _ctc_parts(log_probs, targets, input_lengths, target_lengths, blank):
+    """(log_probs as (T, N, C), extended targets (N, 2S+1), lengths as arrays, batched?)."""
+    batched = log_probs.ndim == 3
+    if not batched:
+        log_probs = log_probs[:, None, :]
+    batch = log_probs.shape[1]
+    max_target = max(target_lengths) if len(target_lengths) else 0
+    if targets.ndim == 1:
+        # Concatenated targets: batch b's start is the sum of the lengths before it.
+        starts = np.concatenate([[0], np.cumsum(target_lengths)[:-1]]).astype(np.int64)
+        positions = np.minimum(starts[:, None] + np.arange(max_target)[None, :], max(targets.shape[0] - 1, 0))
+        padded = targets[positions] if targets.shape[0] else jnp.zeros((batch, max_target), jnp.int64)
+    else:
+        padded = targets.reshape(batch, -1)[:, :max_target]
+    extended = jnp.full((batch, 2 * max_target + 1), blank, dtype=jnp.int64)
+    extended = extended.at[:, 1::2].set(padded.astype(jnp.int64))
+    return (
+        log_probs,
+        extended,
+        jnp.asarray(np.asarray(input_lengths, dtype=np.int64)),
+        jnp.asarray(np.asarray(target_lengths, dtype=np.int64)),
+        batched,
+    )
+
+
+@register_mapping(aten._ctc_loss.default)
+def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    log_probs, extended, input_length, target_length, _ = _ctc_parts(log_probs, targets, input_lengths, target_lengths, blank)
+    time, batch, _ = log_probs.shape
+    states = extended.shape[1]
+    negative_infinity = jnp.asarray(-jnp.inf, log_probs.dtype)
+    state = jnp.arange(states)
+    valid = state[None, :] < (2 * target_length + 1)[:, None]
+    shifted_label = jnp.concatenate([jnp.full((batch, 2), -1, jnp.int64), extended[:, :-2]], axis=1)
+    skip = (state[None, :] >= 2) & (extended != blank) & (extended != shifted_label)
+    emitted = jnp.take_along_axis(log_probs, jnp.broadcast_to(extended[None], (time,) + extended.shape), axis=2)
+    first = jnp.where((state[None, :] == 0) | ((state[None, :] == 1) & (target_length[:, None] > 0)), emitted[0], negative_infinity)
+
+    def step(previous, inputs):
+        emitted_t, t = inputs
+        one = jnp.concatenate([jnp.full((batch, 1), negative_infinity), previous[:, :-1]], axis=1)
+        two = jnp.concatenate([jnp.full((batch, 2), negative_infinity), previous[:, :-2]], axis=1)
+        two = jnp.where(skip, two, negative_infinity)
+        current = _log_sum_exp(previous, one, two) + emitted_t
+        current = jnp.where(valid & (t < input_length)[:, None], current, negative_infinity)
+        return current, current
+
+    if time > 1:
+        _, rest = lax.scan(step, first, (emitted[1:], jnp.arange(1, time)))
+        alphas = jnp.concatenate([first[None], rest], axis=0)  # (T, N, S)
+    else:
+        alphas = first[None]
+    last = jnp.take_along_axis(alphas, jnp.clip(input_length - 1, 0, time - 1)[None, :, None], axis=0)[0]
+    end = jnp.take_along_axis(last, (2 * target_length)[:, None], axis=1)[:, 0]
+    before = jnp.take_along_axis(last, jnp.maximum(2 * target_length - 1, 0)[:, None], axis=1)[:, 0]
+    likelihood = jnp.where(target_length > 0, _log_sum_exp(end, before), end)
+    empty_input = jnp.where(target_length == 0, jnp.zeros((), log_probs.dtype), negative_infinity)
+    likelihood = jnp.where(input_length == 0, empty_input, likelihood)
+    log_alpha = jnp.where(jnp.arange(time)[:, None, None] < input_length[None, :, None], alphas, negative_infinity)
+    return -likelihood, jnp.transpose(log_alpha, (1, 0, 2))
+
+
+@register_mapping(aten._ctc_loss_backward.default)
+def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity=False):
+    shape = log_probs.shape
+    log_probs, extended, input_length, target_length, _ = _ctc_parts(log_probs, targets, input_lengths, target_lengths, blank)
+    time, batch, classes = log_probs.shape
+    states = extended.shape[1]
+    negative_infinity = jnp.asarray(-jnp.inf, log_probs.dtype)
+    state = jnp.arange(states)
+    valid = state[None, :] < (2 * target_length + 1)[:, None]
+    shifted_label = jnp.concatenate([extended[:, 2:], jnp.full((batch, 2), -1, jnp.int64)], axis=1)
+    skip = (state[None, :] < (2 * target_length - 1)[:, None]) & (extended != shifted_label)
+    emitted = jnp.take_along_axis(log_probs, jnp.broadcast_to(extended[None], (time,) + extended.shape), axis=2)
+    last_time = input_length - 1
+    start = jnp.where(
+        (state[None, :] == (2 * target_length)[:, None])
+        | ((state[None, :] == (2 * target_length - 1)[:, None]) & (target_length[:, None] > 0)),
+        emitted[jnp.clip(last_time, 0, time - 1), jnp.arange(batch)],
+        negative_infinity,
+    )
+
+    def step(following, inputs):
+        emitted_t, t = inputs
+        one = jnp.concatenate([following[:, 1:], jnp.full((batch, 1), negative_infinity)], axis=1)
+        two = jnp.concatenate([following[:, 2:], jnp.full((batch, 2), negative_infinity)], axis=1)
+        one = jnp.where(state[None, :] < (2 * target_length)[:, None], one, negative_infinity)
+        two = jnp.where(skip, two, negative_infinity)
+        current = jnp.where(valid, _log_sum_exp(following, one, two) + emitted_t, negative_infinity)
+        current = jnp.where((t == last_time)[:, None], start, jnp.where((t < last_time)[:, None], current, negative_infinity))
+        return current, current
+
+    initial = jnp.full((batch, states), negative_infinity)
+    _, betas = lax.scan(step, initial, (emitted, jnp.arange(time)), reverse=True)  # (T, N, S)
+    alphas = jnp.transpose(log_alpha, (1, 0, 2))
+    both = alphas + betas
+    # Per class: the log-sum-exp of alpha + beta over the extended-target states carrying it.
+    batch_index = jnp.arange(batch)[:, None]
+    maximum = jnp.full((time, batch, classes), negative_infinity).at[:, batch_index, extended].max(both)
+    shift = jnp.where(maximum == -jnp.inf, jnp.zeros((), both.dtype), maximum)
+    total = jnp.zeros((time, batch, classes), both.dtype).at[:, batch_index, extended].add(
+        jnp.exp(both - jnp.take_along_axis(shift, jnp.broadcast_to(extended[None], both.shape), axis=2))
+    )
+    occupancy = jnp.log(total) + shift
+    nll = neg_log_likelihood.reshape(batch)
+    gradient = (jnp.exp(log_probs) - jnp.exp(occupancy + nll[None, :, None] - log_probs)) * grad.reshape(batch)[None, :, None]
+    keep = jnp.arange(time)[:, None] < input_length[None, :]
+    if zero_infinity:
+        keep = keep & (nll != jnp.inf)[None, :]
+    gradient = jnp.where(keep[..., None], gradient, jnp.zeros((), gradient.dtype))
+    return gradient.reshape(shape)
