@@ -120,6 +120,8 @@ def _cholesky_lower(self, upper):
 @register_mapping(aten.linalg_cholesky_ex.default)
 def linalg_cholesky_ex(self, *, upper=False, check_errors=False):
     source, lower = _cholesky_lower(self, upper)
+    if self.shape[-1] == 0:  # 0x0 matrices: nothing can fail
+        return lower, jnp.zeros(self.shape[:-2], dtype=jnp.int32)
     failed = jnp.any(jnp.isnan(lower))
     info = lax.cond(
         failed,
