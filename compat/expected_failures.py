@@ -163,6 +163,16 @@ OPINFO = {
     "nn.functional.conv_transpose1d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "nn.functional.conv_transpose2d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "nn.functional.conv_transpose3d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
+    "linalg.lstsq.grad_oriented": [
+        ExpectedFailure(
+            "rounding: float32 gradients of batched 4x3 samples (through pinv's SVD) differ from torch's by up to "
+            "1.1e-4 and are about as close to the float64 ones (9.5e-5 against torch's 6.8e-5 to 8.3e-5)",
+            (torch.float32,),
+            BACKWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
     "linalg.householder_product": [
         ExpectedFailure(
             "rounding: float32 gradients of samples with large tau (4.3, -4.4) differ from torch's by up to 2.6e-3 "
