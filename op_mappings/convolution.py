@@ -790,6 +790,50 @@ def upsample_bilinear2d_aa_backward(grad_output, output_size, input_size, align_
     return _resample_backward(grad_output, "antialias", tuple(output_size), tuple(input_size), align_corners, scales)
 
 
+@register_mapping(aten.adaptive_max_pool3d.default)
+def adaptive_max_pool3d(self, output_size):
+    return _adaptive_max_pool3d(self, _expand(output_size, 3))
+
+
+@_compiled("output_size")
+def _adaptive_max_pool3d(self, output_size):
+    """As _adaptive_max_pool2d, in three dimensions: a fixed-size (largest) window per output,
+    gathered with the elements past each window's end masked."""
+    sizes = self.shape[-3:]
+    positions, valid = [], []
+    for axis in range(3):
+        starts, ends = _adaptive_bounds(sizes[axis], output_size[axis])
+        span = int((ends - starts).max())
+        along = starts[:, None] + np.arange(span)[None, :]
+        valid.append(along < ends[:, None])
+        positions.append(np.minimum(along, sizes[axis] - 1))
+    # Index grids shaped (out_d, out_h, out_w, span_d, span_h, span_w).
+    def grid(values, axis):
+        shape = [1] * 6
+        shape[axis], shape[3 + axis] = values.shape
+        return values.reshape(shape)
+
+    depth, height, width = (grid(positions[axis], axis) for axis in range(3))
+    mask = grid(valid[0], 0) & grid(valid[1], 1) & grid(valid[2], 2)
+    windows = self[..., depth, height, width]
+    if jnp.issubdtype(self.dtype, jnp.floating):
+        fill = -jnp.inf
+    else:
+        fill = jnp.iinfo(self.dtype).min
+    windows = jnp.where(mask, windows, jnp.asarray(fill, dtype=self.dtype))
+    flat = np.broadcast_to((depth * sizes[1] + height) * sizes[2] + width, mask.shape)
+    span = math.prod(mask.shape[3:])
+    windows = windows.reshape(windows.shape[:-3] + (span,))
+    flat = flat.reshape(tuple(output_size) + (span,))
+    # torch keeps the first of equal maxima but the last NaN (see _first_maximum).
+    is_nan = windows != windows
+    last_nan = span - 1 - jnp.argmax(is_nan[..., ::-1], axis=-1)
+    choice = jnp.where(jnp.any(is_nan, axis=-1), last_nan, jnp.argmax(windows, axis=-1))
+    values = jnp.take_along_axis(windows, choice[..., None], axis=-1)[..., 0]
+    indices = jnp.take_along_axis(jnp.broadcast_to(jnp.asarray(flat), windows.shape), choice[..., None], axis=-1)[..., 0]
+    return values, indices.astype(jnp.int64)
+
+
 @register_mapping(aten.adaptive_max_pool3d_backward.default)
 def adaptive_max_pool3d_backward(grad_output, self, indices):
     return _max_pool_backward(grad_output, self, indices, 3)

@@ -277,6 +277,28 @@ def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None
     return grad.reshape(self.shape).astype(self.dtype)
 
 
+@register_mapping(aten.multilabel_margin_loss_forward.default)
+def multilabel_margin_loss_forward(self, target, reduction):
+    # torch's decomposition counts target entries after the first -1; its kernel (followed here) stops there.
+    accumulator = _accumulator(self.dtype)
+    classes = self.shape[-1] if self.ndim else 1
+    scores = self.astype(accumulator).reshape(-1, classes)
+    samples = scores.shape[0]
+    target = target.reshape(samples, classes)
+    listed = jnp.cumprod(target >= 0, axis=1).astype(jnp.bool_)
+    safe_target = jnp.where(listed, target, 0)
+    is_target = jnp.zeros((samples, classes), jnp.bool_).at[jnp.arange(samples)[:, None], safe_target].max(listed)
+    picked = jnp.take_along_axis(scores, safe_target, axis=1)
+    hinge = jnp.maximum(1 - picked[:, :, None] + scores[:, None, :], 0)
+    hinge = jnp.where(listed[:, :, None] & ~is_target[:, None, :], hinge, jnp.zeros((), accumulator))
+    losses = jnp.sum(hinge, axis=(1, 2)) / classes
+    if reduction == _NONE:
+        losses = losses.reshape(self.shape[:-1]) if self.ndim else losses.reshape(())
+    else:
+        losses = _reduce(losses, reduction)
+    return losses.astype(self.dtype), is_target.reshape(self.shape).astype(self.dtype)
+
+
 @register_mapping(aten.multilabel_margin_loss_backward.default)
 def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_target):
     # torch's kernel: for each target class y (up to the first -1) and each non-target class d

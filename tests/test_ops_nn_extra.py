@@ -40,3 +40,169 @@ def test_lazy_module_materializes_on_the_bridge_device(bridged, make, shape):
     actual.sum().backward()
     for mine, theirs in zip(moved.parameters(), eager.parameters()):
         torch.testing.assert_close(to_torch(mine.grad), theirs.grad)
+
+
+# ---------------------------------------------------------------- ops against eager torch, values and gradients
+
+
+def sample(*shape, dtype=torch.float64, seed=0, low=-2.0, high=2.0):
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.rand(shape, generator=generator, dtype=torch.float64) * (high - low) + low).to(dtype)
+
+
+def integers(high, *shape, seed=1):
+    return torch.randint(0, high, shape, generator=torch.Generator().manual_seed(seed))
+
+
+F = nn.functional
+WEIGHT = sample(10, 4, seed=5)
+BAG_INDICES = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 0, 0])
+SAMPLES = torch.rand(2, 3, 2, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+
+# name -> (function of the inputs, inputs); the inputs that are floating point get gradients.
+CASES = {
+    "cdist p=2 direct": (lambda a, b: torch.cdist(a, b), (sample(2, 5, 3), sample(2, 4, 3, seed=1))),
+    "cdist p=2 by matrix products": (lambda a, b: torch.cdist(a, b), (sample(30, 3), sample(4, 3, seed=1))),
+    "cdist p=1 broadcast batch": (lambda a, b: torch.cdist(a, b, p=1.0), (sample(2, 1, 5, 3), sample(3, 4, 3, seed=1))),
+    "cdist p=0.5": (lambda a, b: torch.cdist(a, b, p=0.5), (sample(5, 3), sample(4, 3, seed=1))),
+    "cdist p=3": (lambda a, b: torch.cdist(a, b, p=3.0), (sample(5, 3), sample(4, 3, seed=1))),
+    "cdist p=inf": (lambda a, b: torch.cdist(a, b, p=float("inf")), (sample(5, 3), sample(4, 3, seed=1))),
+    "cdist p=0": (lambda a, b: torch.cdist(a, b, p=0.0), (sample(5, 3), sample(4, 3, seed=1))),
+    "pdist p=2": (lambda a: F.pdist(a), (sample(6, 3),)),
+    "pdist p=1.5": (lambda a: F.pdist(a, p=1.5), (sample(6, 3),)),
+    "pdist p=inf": (lambda a: F.pdist(a, p=float("inf")), (sample(6, 3),)),
+    "embedding_bag sum": (lambda w, i, o: F.embedding_bag(i, w, o, mode="sum"), (WEIGHT, BAG_INDICES, torch.tensor([0, 4, 4]))),
+    "embedding_bag mean padding_idx": (
+        lambda w, i, o: F.embedding_bag(i, w, o, mode="mean", padding_idx=4),
+        (WEIGHT, BAG_INDICES, torch.tensor([0, 4, 4, 9])),
+    ),
+    "embedding_bag max include_last_offset": (
+        lambda w, i, o: F.embedding_bag(i, w, o, mode="max", include_last_offset=True),
+        (WEIGHT, BAG_INDICES, torch.tensor([0, 3, 3, 10])),
+    ),
+    "embedding_bag 2-d input": (lambda w, i: F.embedding_bag(i, w, mode="mean"), (WEIGHT, BAG_INDICES.reshape(2, 5))),
+    "embedding_bag per_sample_weights": (
+        lambda w, i, o, s: F.embedding_bag(i, w, o, mode="sum", per_sample_weights=s),
+        (WEIGHT, BAG_INDICES, torch.tensor([0, 6]), sample(10, seed=3)),
+    ),
+    "interpolate nearest 1d": (lambda x: F.interpolate(x, size=7, mode="nearest"), (sample(2, 3, 5),)),
+    "interpolate nearest 3d": (lambda x: F.interpolate(x, scale_factor=1.7, mode="nearest"), (sample(1, 2, 3, 4, 3),)),
+    "interpolate nearest-exact 1d": (lambda x: F.interpolate(x, size=3, mode="nearest-exact"), (sample(2, 3, 5),)),
+    "interpolate nearest-exact 2d": (lambda x: F.interpolate(x, size=(5, 3), mode="nearest-exact"), (sample(1, 2, 4, 4),)),
+    "interpolate linear": (lambda x: F.interpolate(x, size=9, mode="linear"), (sample(2, 3, 5),)),
+    "interpolate linear align_corners": (lambda x: F.interpolate(x, size=4, mode="linear", align_corners=True), (sample(2, 3, 5),)),
+    "interpolate bicubic": (lambda x: F.interpolate(x, size=(7, 3), mode="bicubic"), (sample(1, 2, 4, 5),)),
+    "interpolate bicubic align_corners": (
+        lambda x: F.interpolate(x, scale_factor=1.5, mode="bicubic", align_corners=True),
+        (sample(1, 2, 4, 5),),
+    ),
+    "interpolate trilinear": (lambda x: F.interpolate(x, size=(3, 5, 2), mode="trilinear"), (sample(1, 2, 2, 3, 4),)),
+    "interpolate bilinear antialias down": (
+        lambda x: F.interpolate(x, size=(3, 4), mode="bilinear", antialias=True),
+        (sample(1, 2, 8, 9),),
+    ),
+    "interpolate bilinear antialias up": (
+        lambda x: F.interpolate(x, size=(6, 7), mode="bilinear", antialias=True),
+        (sample(1, 2, 3, 4),),
+    ),
+    "adaptive_max_pool3d": (lambda x: F.adaptive_max_pool3d(x, (2, 3, 2)), (sample(1, 2, 4, 5, 3),)),
+    "fractional_max_pool2d": (
+        lambda x: F.fractional_max_pool2d(x, 2, output_size=(4, 3), _random_samples=SAMPLES),
+        (sample(2, 3, 7, 6),),
+    ),
+    "fractional_max_pool3d": (
+        lambda x: F.fractional_max_pool3d(x, 2, output_size=(3, 2, 3), _random_samples=SAMPLES[:, :, :1].expand(2, 3, 3)),
+        (sample(2, 3, 5, 4, 6),),
+    ),
+    "max_unpool2d": (
+        lambda x: F.max_unpool2d(*F.max_pool2d(x, 2, return_indices=True), 2),
+        (sample(1, 2, 4, 6),),
+    ),
+    "bilinear": (lambda a, b, w: F.bilinear(a, b, w), (sample(3, 4), sample(3, 5, seed=1), sample(2, 4, 5, seed=2))),
+    "multi_margin_loss p=1 weight": (
+        lambda x, t: F.multi_margin_loss(x, t, weight=sample(5, seed=3, low=0.5).to(x.device)),
+        (sample(4, 5), integers(5, 4)),
+    ),
+    "multi_margin_loss p=2 none": (lambda x, t: F.multi_margin_loss(x, t, p=2, reduction="none"), (sample(4, 5), integers(5, 4))),
+    "multilabel_margin_loss": (
+        lambda x, t: F.multilabel_margin_loss(x, t),
+        (sample(3, 4), torch.tensor([[3, 0, -1, 1], [0, 1, 2, 3], [-1, 2, 0, 1]])),
+    ),
+    "multilabel_margin_loss none": (
+        lambda x, t: F.multilabel_margin_loss(x, t, reduction="none"),
+        (sample(3, 4), torch.tensor([[3, 0, -1, 1], [0, 1, 2, 3], [-1, 2, 0, 1]])),
+    ),
+    "multilabel_margin_loss sum 1-d": (
+        lambda x, t: F.multilabel_margin_loss(x, t, reduction="sum"),
+        (sample(4), torch.tensor([2, 1, -1, 0])),
+    ),
+    "ctc_loss": (
+        lambda x, t: F.ctc_loss(x.log_softmax(2), t, [8, 6, 5], [4, 2, 0]),
+        (sample(8, 3, 5), integers(4, 3, 4) + 1),
+    ),
+    "ctc_loss concatenated zero_infinity": (
+        lambda x, t: F.ctc_loss(x.log_softmax(2), t, [6, 2], [3, 3], reduction="sum", zero_infinity=True),
+        (sample(6, 2, 4), integers(3, 6) + 1),
+    ),
+    "replication pad negative": (lambda x: F.pad(x, (-1, 2, 1, -2), mode="replicate"), (sample(1, 2, 4, 5),)),
+}
+
+GRID = sample(2, 4, 3, 2, seed=4, low=-1.2, high=1.2)
+for _mode in ("bilinear", "nearest", "bicubic"):
+    for _padding in ("zeros", "border", "reflection"):
+        for _align in (False, True):
+            CASES[f"grid_sample {_mode} {_padding} align_corners={_align}"] = (
+                lambda x, g, m=_mode, p=_padding, a=_align: F.grid_sample(x, g, mode=m, padding_mode=p, align_corners=a),
+                (sample(2, 3, 5, 6), GRID),
+            )
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_against_torch_through_bridge(bridged, name):
+    function, inputs = CASES[name]
+    through_bridge(function, *inputs)
+
+
+@pytest.mark.parametrize(
+    "function",
+    [
+        lambda x: F.unfold(x, 2),
+        lambda x: F.pad(x, (0, 0, -1, 1), mode="replicate"),
+    ],
+    ids=["unfold", "replicate"],
+)
+def test_empty_batch(bridged, function):
+    through_bridge(function, sample(0, 2, 4, 5))
+
+
+def test_resize_as(bridged):
+    through_bridge(lambda x, y: x.clone().resize_as_(y), sample(3, 4), sample(3, 4, seed=1), differentiable=False)
+
+
+def test_rrelu_with_noise_draws_and_writes_noise(bridged):
+    from runtime.tensor import to_bridge, to_torch
+
+    x = sample(200, dtype=torch.float32)
+    results = []
+    for _ in range(2):
+        noise = to_bridge(torch.zeros(200))
+        torch.manual_seed(3)
+        out = torch.ops.aten.rrelu_with_noise(to_bridge(x), noise, 0.1, 0.3, True)
+        results.append((to_torch(out), to_torch(noise)))
+    (out, noise), (again, noise_again) = results
+    assert out.dtype == x.dtype and out.shape == x.shape
+    torch.testing.assert_close(out, again)
+    torch.testing.assert_close(noise, noise_again)
+    negative = x <= 0
+    assert torch.all(noise[~negative] == 1)
+    assert torch.all((noise[negative] >= 0.1) & (noise[negative] <= 0.3))
+    assert len(set(noise[negative].tolist())) > 1
+    torch.testing.assert_close(out, x * noise)
+    eval_noise = to_bridge(torch.zeros(200))
+    evaluated = torch.ops.aten.rrelu_with_noise(to_bridge(x), eval_noise, 0.1, 0.3, False)
+    torch.testing.assert_close(to_torch(evaluated), F.leaky_relu(x, 0.2))
+    # Through autograd: the gradient is the slope drawn for each element.
+    leaf = to_bridge(x).requires_grad_(True)
+    F.rrelu(leaf, 0.1, 0.3, training=True).sum().backward()
+    grad = to_torch(leaf.grad)
+    assert torch.all(grad[~negative] == 1) and torch.all((grad[negative] >= 0.1) & (grad[negative] <= 0.3))
