@@ -450,3 +450,22 @@ def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, n
         keep = keep & (nll != jnp.inf)[None, :]
     gradient = jnp.where(keep[..., None], gradient, jnp.zeros((), gradient.dtype))
     return gradient.reshape(shape)
+
+
+# The lengths as tensors: log_alpha's shape depends on their values, so they are read on the host
+# (eager only, as for the other ops with data-dependent shapes).
+@register_mapping(aten._ctc_loss.Tensor)
+def ctc_loss_tensor(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    return ctc_loss(
+        log_probs, targets, np.asarray(input_lengths).tolist(), np.asarray(target_lengths).tolist(), blank, zero_infinity
+    )
+
+
+@register_mapping(aten._ctc_loss_backward.Tensor)
+def ctc_loss_backward_tensor(
+    grad, log_probs, targets, input_lengths, target_lengths, neg_log_likelihood, log_alpha, blank, zero_infinity=False
+):
+    return ctc_loss_backward(
+        grad, log_probs, targets, np.asarray(input_lengths).tolist(), np.asarray(target_lengths).tolist(),
+        neg_log_likelihood, log_alpha, blank, zero_infinity,
+    )

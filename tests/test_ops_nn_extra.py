@@ -144,6 +144,10 @@ CASES = {
         lambda x, t: F.ctc_loss(x.log_softmax(2), t, [6, 2], [3, 3], reduction="sum", zero_infinity=True),
         (sample(6, 2, 4), integers(3, 6) + 1),
     ),
+    "ctc_loss tensor lengths": (
+        lambda x, t: F.ctc_loss(x.log_softmax(2), t, torch.tensor([7, 5]).to(x.device), torch.tensor([3, 1]).to(x.device)),
+        (sample(7, 2, 4), integers(3, 2, 3) + 1),
+    ),
     "replication pad negative": (lambda x: F.pad(x, (-1, 2, 1, -2), mode="replicate"), (sample(1, 2, 4, 5),)),
 }
 
