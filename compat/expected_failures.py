@@ -83,6 +83,11 @@ UPSAMPLE_LOW_PRECISION = (
     "the bridge's {bridge}, torch's {torch})"
 )
 
+GRID_GRADIENT_FLOAT32 = (
+    "rounding: the float32 grid gradient of bicubic samples; the bridge's and torch's are both about 1e-4 from "
+    "the float64 one (bridge 7.5e-5 to 1.3e-4, torch 8.3e-5 to 1.3e-4)"
+)
+
 # OpInfo entries ("name" or "name.variant_test_name") -> their expected failures.
 OPINFO = {
     # ---- dtypes JAX does not have, layouts the bridge does not have
@@ -158,8 +163,14 @@ OPINFO = {
     "nn.functional.batch_norm": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
     "nn.functional.instance_norm": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
     "logit": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
-    "nn.functional.grid_sample": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
-    "grid_sampler_2d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
+    "nn.functional.grid_sample": [
+        ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",)),
+        ExpectedFailure(GRID_GRADIENT_FLOAT32, (torch.float32,), BACKWARD, quick=False, kinds=("rounding",)),
+    ],
+    "grid_sampler_2d": [
+        ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",)),
+        ExpectedFailure(GRID_GRADIENT_FLOAT32, (torch.float32,), BACKWARD, quick=False, kinds=("rounding",)),
+    ],
     "nn.functional.conv_transpose1d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "nn.functional.conv_transpose2d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "nn.functional.conv_transpose3d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
