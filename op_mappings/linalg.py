@@ -4,6 +4,9 @@ Half-precision inputs accumulate in float32 and round once, as torch's kernels d
 float32 products use the precision that torch's matmul setting asks for.
 """
 
+import functools
+
+import jax
 import jax.numpy as jnp
 
 from runtime import config
@@ -19,6 +22,8 @@ def _accumulator(dtype):
 def _product(subscripts, left, right, out_dtype=None):
     """einsum in the accumulation dtype of the operands, rounded to `out_dtype` (default: the operands')."""
     out_dtype = left.dtype if out_dtype is None else out_dtype
+    if config.settings.tracing and left.dtype in _LOW_PRECISION and left.dtype == right.dtype:
+        return _half_einsum(subscripts, left, right, config.matmul_precision()).astype(out_dtype)
     product = jnp.einsum(
         subscripts,
         left,
@@ -27,6 +32,28 @@ def _product(subscripts, left, right, out_dtype=None):
         preferred_element_type=_accumulator(left.dtype),
     )
     return product.astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
+def _half_einsum(subscripts, left, right, precision):
+    """A half-precision product accumulated and returned in float32 (as torch's kernels do),
+    whose gradient products run in half precision as torch's backward does: differentiated
+    as written, they would take the float32 cotangent and run in float32 (used in captured
+    regions, where JAX differentiates the tables)."""
+    return jnp.einsum(subscripts, left, right, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _half_einsum_forward(subscripts, left, right, precision):
+    return _half_einsum(subscripts, left, right, precision), (left, right)
+
+
+def _half_einsum_backward(subscripts, precision, saved, cotangent):
+    left, right = saved
+    _, pullback = jax.vjp(lambda a, b: jnp.einsum(subscripts, a, b, precision=precision), left, right)
+    return pullback(cotangent.astype(left.dtype))
+
+
+_half_einsum.defvjp(_half_einsum_forward, _half_einsum_backward)
 
 
 def _fused_add(self, product, beta, alpha, out_dtype):
@@ -90,6 +117,8 @@ def outer(self, vec2):
 
 
 def _addmm(self, mat1, mat2, beta, alpha, out_dtype):
+    if config.settings.tracing and mat1.dtype in _LOW_PRECISION and mat1.dtype == mat2.dtype:
+        return _fused_add(self, _half_einsum("ij,jk->ik", mat1, mat2, config.matmul_precision()), beta, alpha, out_dtype)
     product = jnp.einsum(
         "ij,jk->ik", mat1, mat2, precision=config.matmul_precision(), preferred_element_type=_accumulator(mat1.dtype)
     )

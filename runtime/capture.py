@@ -115,11 +115,16 @@ def _leaf_key(leaf):
         raise GraphBreak("an argument is a tensor on the host CPU, not on the bridge device")
     if isinstance(leaf, float) and leaf != leaf:
         return (float, "nan")
-    try:
-        hash(leaf)
-    except TypeError:
-        raise GraphBreak(f"an argument of type {type(leaf).__name__} is not hashable") from None
+    if not isinstance(leaf, _STATIC_TYPES):
+        # An object passed by identity (a key-value cache, a config) may be changed by the
+        # region's Python, which a replay would not run, and hashes by identity, which would
+        # compile anew on every call: the region runs eagerly instead.
+        raise GraphBreak(f"an argument of type {type(leaf).__name__} is an object the region may change")
     return (type(leaf), leaf)
+
+
+# Python values a program can be specialized on (they are part of its key).
+_STATIC_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format, torch.layout, type(Ellipsis), slice)
 
 
 def _context_key():
@@ -176,6 +181,9 @@ class Program:
     index: int = 0
     body: object = None  # the traced Python body
     differentiable: object = None  # the body as a function of the differentiated values
+    fused: object = None  # jitted: forward and the gradients of one scalar output
+    recompute: object = None  # jitted: the vjp from the primals (after a fused forward)
+    speculate: int = None  # the scalar output whose gradients fused runs compute, or None
 
 
 def _trace_body(function, program):
@@ -280,9 +288,32 @@ def _build(function, program):
         )
         return floats, aux, pullback
 
+    def fused(diff_roots, diff_inputs, other_roots, other_inputs, key, position):
+        # Forward and gradients of one scalar output in one program (see _RegionFunction).
+        def scalar(d_roots, d_inputs):
+            floats, aux = differentiable(d_roots, d_inputs, other_roots, other_inputs, key)
+            return floats[position], (floats, aux)
+
+        (_, (floats, aux)), gradients = jax.value_and_grad(scalar, argnums=(0, 1), has_aux=True)(diff_roots, diff_inputs)
+        return floats, aux, gradients
+
+    def recompute(primals, cotangents):
+        diff_roots, diff_inputs, other_roots, other_inputs, key = primals
+        _, pullback, _ = jax.vjp(
+            lambda a, b: differentiable(a, b, other_roots, other_inputs, key), diff_roots, diff_inputs, has_aux=True
+        )
+        return pullback(cotangents)
+
     program.forward = jax.jit(forward)
     program.backward = jax.jit(lambda pullback, cotangents: pullback(cotangents))
+    program.fused = jax.jit(fused, static_argnums=5)
+    program.recompute = jax.jit(recompute)
     program.differentiable = differentiable
+
+
+@jax.jit
+def _scale(gradients, factor):
+    return jax.tree_util.tree_map(lambda g: g * factor.astype(g.dtype), gradients)
 
 
 # ---------------------------------------------------------------- running a program
@@ -329,22 +360,34 @@ def run(program, input_tensors):
 
 
 class _RegionFunction(torch.autograd.Function):
-    """A captured region in torch's autograd graph: forward and backward are one program each."""
+    """A captured region in torch's autograd graph.
+
+    Two ways to run it. Split: the forward program returns the outputs and the residuals of
+    `jax.vjp`, and backward runs the pullback program with torch's incoming gradients. Fused,
+    once a region's backward has been seen to receive a gradient for one scalar output only
+    (a loss computed inside the model, as most training scripts do): the forward program also
+    computes the gradients of that output (`jax.value_and_grad`, one XLA program for forward
+    and backward, as hand-written JAX does), and backward scales them by the incoming gradient
+    (the gradient of a scalar is linear in it). A later backward that needs other outputs'
+    gradients recomputes them with a vjp program, and the region goes back to split runs.
+    """
 
     @staticmethod
     def forward(ctx, program, state, *diff_tensors):
         diff_roots, other_roots = _split(state["root_values"], program.diff_roots)
         diff_inputs, other_inputs = _split(state["input_values"], program.diff_inputs)
-        floats, (others, mutated, written, new_key), pullback = program.forward(
-            diff_roots, diff_inputs, other_roots, other_inputs, state["key"]
-        )
+        primals = (diff_roots, diff_inputs, other_roots, other_inputs, state["key"])
+        ctx.gradients = ctx.pullback = None
+        if program.speculate is not None:
+            floats, (others, mutated, written, new_key), ctx.gradients = program.fused(*primals, program.speculate)
+        else:
+            floats, (others, mutated, written, new_key), ctx.pullback = program.forward(*primals)
         _write_back(program, state["inputs"], mutated, written, new_key)
         floats, others = iter(floats), iter(others)
         arrays = [next(floats) if is_float else next(others) for is_float in program.out_float]
         tensors, _ = _outputs(program, arrays)
         ctx.program = program
-        ctx.pullback = pullback
-        ctx.primals = (diff_roots, diff_inputs, other_roots, other_inputs, state["key"])
+        ctx.primals = primals
         ctx.diff_tensors = diff_tensors
         # Unused outputs get no gradient from torch (None); zeros are made here, on the device.
         ctx.set_materialize_grads(False)
@@ -356,13 +399,24 @@ class _RegionFunction(torch.autograd.Function):
     def backward(ctx, *grads):
         program = ctx.program
         grads = [grad for grad, is_float in zip(grads, program.out_float) if is_float]
+        given = [position for position, grad in enumerate(grads) if grad is not None]
         grads = [_gradient(grad, shape, dtype, program.index) for grad, (shape, dtype) in zip(grads, ctx.float_avals)]
+        index = program.index
         if torch.is_grad_enabled():
             # create_graph=True: the gradients need a graph of their own (double backward).
             results = _RegionGradFunction.apply(program, ctx.primals, len(grads), *grads, *ctx.diff_tensors)
             return (None, None, *results)
-        d_roots, d_inputs = program.backward(ctx.pullback, [read_value(grad) for grad in grads])
-        return (None, None, *[BridgeTensor(value, program.index) for value in list(d_roots) + list(d_inputs)])
+        cotangents = [read_value(grad) for grad in grads]
+        if ctx.gradients is not None and given == [program.speculate]:
+            d_roots, d_inputs = _scale(ctx.gradients, cotangents[program.speculate])
+        elif ctx.gradients is not None:
+            program.speculate = None  # this region's outputs are used otherwise: split runs again
+            d_roots, d_inputs = program.recompute(ctx.primals, cotangents)
+        else:
+            d_roots, d_inputs = program.backward(ctx.pullback, cotangents)
+            if len(given) == 1 and ctx.float_avals[given[0]][0] == () and program.speculate is None:
+                program.speculate = given[0]
+        return (None, None, *[BridgeTensor(value, index) for value in list(d_roots) + list(d_inputs)])
 
 
 def _gradient(grad, shape, dtype, index):

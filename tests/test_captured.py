@@ -60,6 +60,46 @@ def test_steady_loop_compiles_once_and_matches_torch(captured):
     assert not capture.breaks
 
 
+class WithLoss(torch.nn.Module):
+    """A model that computes its loss inside, as GPT-style scripts do: returns (logits, loss)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+    def forward(self, x, y):
+        logits = self.body(x)
+        return logits, F.cross_entropy(logits, y)
+
+
+def test_loss_inside_the_model_runs_forward_and_backward_as_one_program(captured):
+    torch.manual_seed(0)
+    reference, model = _pair(WithLoss())
+    for step in range(4):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        for net, device in ((reference, "cpu"), (model, "cuda")):
+            _, loss = net(x.to(device), y.to(device))
+            (loss / 2).backward()  # gradient accumulation scales the incoming gradient
+        for p_ref, p in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-7)
+    (program,) = [p for region in capture_regions(model) for p in region.programs.values()]
+    assert program.speculate == 1  # the loss output: fused runs after the first step
+    # A backward through the logits too: recomputed with a vjp program, and split runs again.
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    for net, device in ((reference, "cpu"), (model, "cuda")):
+        logits, loss = net(x.to(device), y.to(device))
+        (loss + logits.square().mean()).backward()
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-7)
+    assert program.speculate is None
+
+
+def capture_regions(module):
+    from bridge.patches import capture as patches
+
+    return list(patches._regions[module].by_mode.values())
+
+
 def test_new_shape_recompiles_once_and_names_the_cause(captured):
     torch.manual_seed(0)
     reference, model = _pair(MLP())

@@ -117,6 +117,19 @@ def module_call(wrapped, instance, args, kwargs):
     return entry.region(instance)(*args, **kwargs)
 
 
+# ---------------------------------------------------------------- custom autograd Functions
+
+_function_apply = vars(torch.autograd.Function)["apply"].__func__
+
+
+def _apply(cls, *args, **kwargs):
+    """A custom autograd.Function inside a region: its backward is the user's Python, which a
+    region's JAX gradient would not run, so the region runs eagerly (a graph break)."""
+    if settings.tracing and not cls.__module__.startswith("runtime."):
+        raise capture.GraphBreak(f"the custom autograd.Function {cls.__qualname__} runs inside; its backward is Python")
+    return _function_apply(cls, *args, **kwargs)
+
+
 # ---------------------------------------------------------------- torch.compile
 
 
@@ -332,6 +345,7 @@ PATCHES = [
     Patch(importlib.import_module("torch.nn.utils.clip_grad"), "clip_grad_norm_", wrapper=clip_grad_norm),
     Patch(torch.nn.utils, "clip_grad_norm_", wrapper=clip_grad_norm),
     Patch(torch, "compile", replacement=compile),
+    Patch(torch.autograd.Function, "apply", replacement=classmethod(_apply)),
     # Each optimizer module calls the functional form through its own global name.
     Patch(importlib.import_module("torch.optim.adam"), "adam", wrapper=adam),
     Patch(importlib.import_module("torch.optim.adamw"), "adam", wrapper=adam),
