@@ -938,7 +938,12 @@ def _fractional_max_pool(input, kernel_size, output_size, random_samples):
     if not batched:
         input = input[None]
     sizes = input.shape[2:]
-    samples = random_samples.astype(input.dtype) if random_samples.dtype != input.dtype else random_samples
+    if input.size == 0:
+        values = jnp.zeros(input.shape[:2] + tuple(output_size), dtype=input.dtype)
+        indices = jnp.zeros(values.shape, dtype=jnp.int64)
+        return (values, indices) if batched else (values[0], indices[0])
+    # torch reads the samples of the first N batch entries (the first only for an unbatched input).
+    samples = random_samples[: input.shape[0]].astype(input.dtype)
     # 2d samples are (w, h); 3d samples are (t, h, w).
     order = (1, 0) if spatial == 2 else (0, 1, 2)
     starts = [_fractional_starts(samples[..., order[i]], sizes[i], output_size[i], kernel_size[i]) for i in range(spatial)]

@@ -279,7 +279,8 @@ def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None
 
 @register_mapping(aten.multilabel_margin_loss_forward.default)
 def multilabel_margin_loss_forward(self, target, reduction):
-    # torch's decomposition counts target entries after the first -1; its kernel (followed here) stops there.
+    # torch's decomposition lets the -1 padding of the targets count as class 0 (it gathers the
+    # padded slots from class 0 and never masks them out); its kernel, followed here, stops at the first -1.
     accumulator = _accumulator(self.dtype)
     classes = self.shape[-1] if self.ndim else 1
     scores = self.astype(accumulator).reshape(-1, classes)
@@ -291,11 +292,9 @@ def multilabel_margin_loss_forward(self, target, reduction):
     picked = jnp.take_along_axis(scores, safe_target, axis=1)
     hinge = jnp.maximum(1 - picked[:, :, None] + scores[:, None, :], 0)
     hinge = jnp.where(listed[:, :, None] & ~is_target[:, None, :], hinge, jnp.zeros((), accumulator))
-    losses = jnp.sum(hinge, axis=(1, 2)) / classes
-    if reduction == _NONE:
-        losses = losses.reshape(self.shape[:-1]) if self.ndim else losses.reshape(())
-    else:
-        losses = _reduce(losses, reduction)
+    # reduction 'none' gives one loss per sample, (1,) for a vector input as torch's meta kernel
+    # shapes it (its CPU kernel returns a 0-dim tensor there).
+    losses = _reduce(jnp.sum(hinge, axis=(1, 2)) / classes, reduction)
     return losses.astype(self.dtype), is_target.reshape(self.shape).astype(self.dtype)
 
 

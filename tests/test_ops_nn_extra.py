@@ -110,6 +110,10 @@ CASES = {
         lambda x: F.fractional_max_pool2d(x, 2, output_size=(4, 3), _random_samples=SAMPLES),
         (sample(2, 3, 7, 6),),
     ),
+    "fractional_max_pool2d unbatched": (
+        lambda x: F.fractional_max_pool2d(x, 2, output_size=(4, 3), _random_samples=SAMPLES),
+        (sample(3, 7, 6),),
+    ),
     "fractional_max_pool3d": (
         lambda x: F.fractional_max_pool3d(x, 2, output_size=(3, 2, 3), _random_samples=SAMPLES[:, :, :1].expand(2, 3, 3)),
         (sample(2, 3, 5, 4, 6),),
@@ -130,11 +134,11 @@ CASES = {
     ),
     "multilabel_margin_loss none": (
         lambda x, t: F.multilabel_margin_loss(x, t, reduction="none"),
-        (sample(3, 4), torch.tensor([[3, 0, -1, 1], [0, 1, 2, 3], [-1, 2, 0, 1]])),
+        (sample(3, 4), torch.tensor([[3, 0, -1, -1], [0, 1, 2, 3], [2, -1, -1, -1]])),
     ),
     "multilabel_margin_loss sum 1-d": (
         lambda x, t: F.multilabel_margin_loss(x, t, reduction="sum"),
-        (sample(4), torch.tensor([2, 1, -1, 0])),
+        (sample(4), torch.tensor([2, 1, -1, -1])),
     ),
     "ctc_loss": (
         lambda x, t: F.ctc_loss(x.log_softmax(2), t, [8, 6, 5], [4, 2, 0]),
