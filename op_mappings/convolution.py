@@ -224,6 +224,8 @@ def _max_pool(input, kernel_size, stride, padding, dilation, ceil_mode, spatial)
 @_compiled("spatial")
 def _max_pool_backward(grad_output, input, indices, spatial):
     """Scatter-add each output's gradient to the input element its index names."""
+    if input.size == 0 or grad_output.size == 0:
+        return jnp.zeros(input.shape, dtype=grad_output.dtype)
     batch = input.shape[:-spatial]
     plane = math.prod(input.shape[-spatial:])
     grad = grad_output.reshape(batch + (-1,)).astype(_accumulator(grad_output.dtype))
