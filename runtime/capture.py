@@ -176,6 +176,7 @@ class Program:
     out_statics: list = None
     out_tensor_positions: list = None
     out_float: list = None  # per tensor output: differentiable (floating) or not
+    out_shapes: list = None
     mutated_roots: list = None
     mutated_inputs: list = None
     index: int = 0
@@ -231,6 +232,7 @@ def _trace_body(function, program):
             program.out_statics = out_statics
             program.out_tensor_positions = positions
             program.out_float = [_is_float(tensor_module.JAX_TO_TORCH[array.dtype]) for array in arrays]
+            program.out_shapes = [tuple(array.shape) for array in arrays]
             program.mutated_roots = [
                 position for position, (root, value) in enumerate(zip(roots, root_values)) if root._value is not value
             ]
@@ -571,6 +573,11 @@ class Region:
         for _ in range(MAX_RETRACES):
             program = self._program(leaves, spec, roots, inputs)
             try:
+                if program.grad:
+                    # Trace once without compiling to see the outputs (is there a loss?).
+                    root_values, input_values = _gather(program, inputs)
+                    jax.eval_shape(program.body, root_values, input_values, random.current_key())
+                    self._guess_scalar(program)
                 result = run(program, inputs)
             except _FreeTensors as found:
                 self.extra_roots.extend(found.args[0])
@@ -600,6 +607,16 @@ class Region:
             program.grad = bool(program.diff_roots or program.diff_inputs)
         _build(self.function, program)
         return program
+
+    @staticmethod
+    def _guess_scalar(program):
+        """After the first trace: a region with one 0-dim floating output (a loss) starts with
+        fused runs, so that even its first step keeps no vjp residuals (see _RegionFunction)."""
+        if program.grad and program.out_float and program.speculate is None:
+            shapes = [shape for shape, is_float in zip(program.out_shapes, program.out_float) if is_float]
+            scalars = [position for position, shape in enumerate(shapes) if shape == ()]
+            if len(scalars) == 1:
+                program.speculate = scalars[0]
 
     def _break(self, error, args, kwargs):
         site = _user_site(error)
