@@ -8,10 +8,11 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
 from runtime import dtypes
-from runtime.registry import aten, jnp_dtype, register_mapping
+from runtime.registry import TolerantNamespace, aten, jnp_dtype, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -468,3 +469,75 @@ def ctc_loss_backward_tensor(
         grad, log_probs, targets, np.asarray(input_lengths).tolist(), np.asarray(target_lengths).tolist(),
         neg_log_likelihood, log_alpha, blank, zero_infinity,
     )
+
+
+# ---------------------------------------------------------------- linear + cross entropy (F.linear_cross_entropy, chunked)
+
+try:  # the ops exist once their module is imported (torch 2.13; missing ones register nothing)
+    import torch.nn.modules.linear_cross_entropy  # noqa: F401
+except ImportError:  # pragma: no cover - older torch
+    pass
+
+_torch_nn = TolerantNamespace(torch.ops.torch_nn, "torch_nn")
+
+
+def _linear_cross_entropy_losses(input, linear_weight, target, linear_bias, weight, ignore_index, label_smoothing, accumulate):
+    """Per-sample (nll, smoothing term, target weight) of cross entropy on input @ linear_weight.T + bias."""
+    logits = jnp.matmul(input.astype(accumulate), linear_weight.astype(accumulate).T, precision=lax.Precision.HIGHEST)
+    if linear_bias is not None:
+        logits = logits + linear_bias.astype(accumulate)
+    log_probabilities = jax.nn.log_softmax(logits, axis=-1)
+    classes = logits.shape[-1]
+    ignored = target == ignore_index
+    safe_target = jnp.where(ignored, 0, target)
+    class_weight = jnp.ones((classes,), accumulate) if weight is None else weight.astype(accumulate)
+    target_weight = jnp.where(ignored, jnp.zeros((), accumulate), class_weight[safe_target])
+    picked = jnp.take_along_axis(log_probabilities, safe_target[..., None], axis=-1)[..., 0]
+    nll = -picked * target_weight
+    smooth = jnp.where(ignored, jnp.zeros((), accumulate), -jnp.sum(log_probabilities * class_weight, axis=-1))
+    return nll, smooth * (label_smoothing / classes), target_weight
+
+
+def _chunked_accumulator(input, acc_dtype):
+    accumulate = jnp_dtype(acc_dtype, None) if acc_dtype is not None else None
+    return accumulate if accumulate is not None else _accumulator(input.dtype)
+
+
+@register_mapping(_torch_nn._linear_cross_entropy_batch_chunked.default)
+def linear_cross_entropy_batch_chunked(
+    input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, batch_chunk_size,
+    acc_policy, acc_dtype, allow_retain_graph, compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad,
+):
+    """The scalar loss and, computed at once as torch's op does, its gradients (scaled by the upstream
+    gradient in the backward)."""
+    accumulate = _chunked_accumulator(input, acc_dtype)
+
+    def loss(input, linear_weight, linear_bias):
+        nll, smooth, target_weight = _linear_cross_entropy_losses(
+            input, linear_weight, target, linear_bias, weight, ignore_index, label_smoothing, accumulate
+        )
+        total = jnp.sum(nll) * (1 - label_smoothing) + jnp.sum(smooth)
+        return total / jnp.sum(target_weight) if reduction == "mean" else total
+
+    bias = linear_bias if linear_bias is not None else jnp.zeros(linear_weight.shape[:-1], accumulate)
+    value, (grad_input, grad_weight, grad_bias) = jax.value_and_grad(loss, argnums=(0, 1, 2))(
+        input.astype(accumulate), linear_weight.astype(accumulate), bias.astype(accumulate)
+    )
+    dtype = input.dtype
+    empty = jnp.zeros((0, 0), dtype)
+    return (
+        value.astype(dtype),
+        grad_input.astype(dtype) if compute_input_grad else empty,
+        grad_weight.astype(dtype) if compute_linear_weight_grad else empty,
+        grad_bias.astype(dtype) if compute_linear_bias_grad else jnp.zeros((0,), dtype),
+    )
+
+
+@register_mapping(_torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default)
+def linear_cross_entropy_batch_chunked_no_reduction(
+    input, linear_weight, target, linear_bias, weight, ignore_index, batch_chunk_size, acc_policy, acc_dtype
+):
+    nll, _, _ = _linear_cross_entropy_losses(
+        input, linear_weight, target, linear_bias, weight, ignore_index, 0.0, _chunked_accumulator(input, acc_dtype)
+    )
+    return nll.astype(input.dtype)

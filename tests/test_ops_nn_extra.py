@@ -59,6 +59,13 @@ WEIGHT = sample(10, 4, seed=5)
 BAG_INDICES = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 0, 0])
 SAMPLES = torch.rand(2, 3, 2, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
 
+try:  # torch 2.13's chunked linear_cross_entropy
+    from torch.nn.modules.linear_cross_entropy_options import LinearCrossEntropyOptions
+
+    _CHUNKED = LinearCrossEntropyOptions(batch_chunk_size=2, allow_retain_graph=True)
+except ImportError:  # pragma: no cover - older torch
+    _CHUNKED = None
+
 # name -> (function of the inputs, inputs); the inputs that are floating point get gradients.
 CASES = {
     "cdist p=2 direct": (lambda a, b: torch.cdist(a, b), (sample(2, 5, 3), sample(2, 4, 3, seed=1))),
@@ -152,8 +159,22 @@ CASES = {
         lambda x, t: F.ctc_loss(x.log_softmax(2), t, torch.tensor([7, 5]).to(x.device), torch.tensor([3, 1]).to(x.device)),
         (sample(7, 2, 4), integers(3, 2, 3) + 1),
     ),
+    "linear_cross_entropy chunked mean, weights, ignore_index": (
+        lambda x, w, b, t: F.linear_cross_entropy(
+            x, w, t, linear_bias=b, weight=sample(6, seed=9, low=0.5).to(x.device),
+            ignore_index=2, options=_CHUNKED,
+        ),
+        (sample(5, 4), sample(6, 4, seed=1), sample(6, seed=2), integers(6, 5)),
+    ),
+    "linear_cross_entropy chunked none": (
+        lambda x, w, t: F.linear_cross_entropy(x, w, t, reduction="none", ignore_index=1, options=_CHUNKED),
+        (sample(5, 4), sample(6, 4, seed=1), integers(6, 5)),
+    ),
     "replication pad negative": (lambda x: F.pad(x, (-1, 2, 1, -2), mode="replicate"), (sample(1, 2, 4, 5),)),
 }
+
+if _CHUNKED is None:
+    CASES = {name: case for name, case in CASES.items() if not name.startswith("linear_cross_entropy")}
 
 GRID = sample(2, 4, 3, 2, seed=4, low=-1.2, high=1.2)
 for _mode in ("bilinear", "nearest", "bicubic"):
