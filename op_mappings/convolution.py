@@ -1000,13 +1000,13 @@ def fractional_max_pool3d_backward(grad_output, self, kernel_size, output_size, 
 # ---------------------------------------------------------------- grid sampling (backward)
 
 
-def _grid_sample_2d(input, grid, interpolation_mode, padding_mode, align_corners):
-    """torch's grid_sampler_2d (its decomposition, in JAX) for the backward's vjp.
+def _grid_coordinates(padding_mode, align_corners):
+    """(unnormalize, pad) of torch's grid samplers: grid coordinates in [-1, 1] to input positions,
+    and the padding mode applied to them.
 
     Clamps, reflections and absolute values are written as `where`s so that their derivative at
-    the boundary is 1, as in torch's backward kernel (JAX's min/max split ties in half).
+    the boundary is 1, as in torch's backward kernels (JAX's min/max split ties in half).
     """
-    batch, channels, height, width = input.shape
 
     def unnormalize(coords, size):
         scale = (size * 0.5 - 0.5) if align_corners else size * 0.5
@@ -1034,6 +1034,15 @@ def _grid_sample_2d(input, grid, interpolation_mode, padding_mode, align_corners
         if align_corners:
             return clamp(reflect(coords, 0, 2 * (size - 1)), size)
         return clamp(reflect(coords, -1, 2 * size - 1), size)
+
+    return unnormalize, pad
+
+
+def _grid_sample_2d(input, grid, interpolation_mode, padding_mode, align_corners):
+    """torch's grid_sampler_2d (its decomposition, in JAX) for the backward's vjp."""
+    batch, channels, height, width = input.shape
+
+    unnormalize, pad = _grid_coordinates(padding_mode, align_corners)
 
     flat_input = input.reshape(batch, channels, height * width)
 
@@ -1103,5 +1112,71 @@ def _grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padd
 @register_mapping(aten.grid_sampler_2d_backward.default)
 def grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
     return _grid_sampler_2d_backward(
+        grad_output, input, grid, interpolation_mode, padding_mode, align_corners, tuple(output_mask)
+    )
+
+
+def _grid_sample_3d(input, grid, interpolation_mode, padding_mode, align_corners):
+    """torch's grid_sampler_3d: trilinear (mode 0) or nearest (mode 1) sampling, one gather for all taps."""
+    batch, channels, depth, height, width = input.shape
+    unnormalize, pad = _grid_coordinates(padding_mode, align_corners)
+    flat_input = input.reshape(batch, channels, depth * height * width)
+
+    def gather(taps):
+        xs, ys, zs = (jnp.stack([tap[axis] for tap in taps], axis=1) for axis in range(3))  # (N, taps, oD, oH, oW)
+        weights = jnp.stack([jnp.broadcast_to(tap[3], xs.shape[:1] + xs.shape[2:]) for tap in taps], axis=1)
+        inside = (xs >= 0) & (xs < width) & (ys >= 0) & (ys < height) & (zs >= 0) & (zs < depth)
+        flat = jnp.where(inside, (zs * height + ys) * width + xs, 0).astype(jnp.int64).reshape(batch, 1, -1)
+        values = jnp.take_along_axis(flat_input, flat, axis=2).reshape((batch, channels) + xs.shape[1:])
+        weights = jnp.where(inside, weights, jnp.zeros((), input.dtype))
+        return jnp.sum(values * weights[:, None], axis=2)
+
+    ix = pad(unnormalize(grid[..., 0], width), width)
+    iy = pad(unnormalize(grid[..., 1], height), height)
+    iz = pad(unnormalize(grid[..., 2], depth), depth)
+    if interpolation_mode == 1:
+        return gather([(jnp.round(ix), jnp.round(iy), jnp.round(iz), jnp.ones_like(ix))])
+    west, north, top = jnp.floor(ix), jnp.floor(iy), jnp.floor(iz)
+    taps = []
+    for dz in (0, 1):
+        for dy in (0, 1):
+            for dx in (0, 1):
+                wx = (ix - west) if dx else (west + 1 - ix)
+                wy = (iy - north) if dy else (north + 1 - iy)
+                wz = (iz - top) if dz else (top + 1 - iz)
+                taps.append((west + dx, north + dy, top + dz, wx * wy * wz))
+    return gather(taps)
+
+
+@_compiled("interpolation_mode", "padding_mode", "align_corners")
+def _grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners):
+    accumulator = _accumulator(input.dtype)
+    out = _grid_sample_3d(input.astype(accumulator), grid.astype(accumulator), interpolation_mode, padding_mode, align_corners)
+    return out.astype(input.dtype)
+
+
+@register_mapping(aten.grid_sampler_3d.default)
+def grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners):
+    return _grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners)
+
+
+@_compiled("interpolation_mode", "padding_mode", "align_corners", "output_mask")
+def _grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    accumulator = _accumulator(input.dtype)
+
+    def forward(input, grid):
+        return _grid_sample_3d(input, grid, interpolation_mode, padding_mode, align_corners)
+
+    _, pullback = jax.vjp(forward, input.astype(accumulator), grid.astype(accumulator))
+    grad_input, grad_grid = pullback(grad_output.astype(accumulator))
+    return (
+        grad_input.astype(input.dtype) if output_mask[0] else None,
+        grad_grid.astype(grid.dtype) if output_mask[1] else None,
+    )
+
+
+@register_mapping(aten.grid_sampler_3d_backward.default)
+def grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+    return _grid_sampler_3d_backward(
         grad_output, input, grid, interpolation_mode, padding_mode, align_corners, tuple(output_mask)
     )

@@ -185,6 +185,14 @@ for _mode in ("bilinear", "nearest", "bicubic"):
                 (sample(2, 3, 5, 6), GRID),
             )
 
+GRID_3D = sample(1, 2, 3, 4, 3, seed=6, low=-1.2, high=1.2)
+for _mode in ("bilinear", "nearest"):
+    for _padding in ("zeros", "border", "reflection"):
+        CASES[f"grid_sample 3d {_mode} {_padding}"] = (
+            lambda x, g, m=_mode, p=_padding: F.grid_sample(x, g, mode=m, padding_mode=p, align_corners=p == "border"),
+            (sample(1, 2, 3, 4, 5), GRID_3D),
+        )
+
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_against_torch_through_bridge(bridged, name):
