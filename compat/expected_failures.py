@@ -88,6 +88,12 @@ GRID_GRADIENT_FLOAT32 = (
     "the float64 one (bridge 7.5e-5 to 1.3e-4, torch 8.3e-5 to 1.3e-4)"
 )
 
+CHUNKED_CROSS_ENTROPY = (
+    "rounding: torch's chunked linear-cross-entropy op rounds its logits through buffers of its own choosing; "
+    "the bridge's mapping computes them in float32 once, and its loss is as close to the float64 one "
+    "as torch's on the failing samples ({errors})"
+)
+
 # OpInfo entries ("name" or "name.variant_test_name") -> their expected failures.
 OPINFO = {
     # ---- dtypes JAX does not have, layouts the bridge does not have
@@ -227,6 +233,12 @@ OPINFO = {
     "nn.functional.interpolate.linear": [ExpectedFailure(UPSAMPLE_LOW_PRECISION.format(bridge="5e-3", torch="3.6e-2"), F16, FORWARD, quick=False, kinds=("rounding",))],
     "nn.functional.interpolate.bicubic": [ExpectedFailure(UPSAMPLE_LOW_PRECISION.format(bridge="3.1e-2", torch="6.1e-2"), F16, FORWARD, quick=False, kinds=("rounding",))],
     "nn.functional.interpolate.trilinear": [ExpectedFailure(UPSAMPLE_LOW_PRECISION.format(bridge="1.2e-2", torch="5.1e-2"), F16, FORWARD, quick=False, kinds=("rounding",))],
+    "nn.functional.linear_cross_entropy": [
+        ExpectedFailure(CHUNKED_CROSS_ENTROPY.format(errors="bfloat16: bridge 4.5e-2, torch 4.3e-2; float16: both 3.3e-3"), F16, FORWARD, quick=False, kinds=("rounding",))
+    ],
+    "nn.functional.linear_cross_entropy.chunked": [
+        ExpectedFailure(CHUNKED_CROSS_ENTROPY.format(errors="float16: bridge 3.6e-5, torch 3.3e-4"), (torch.float16,), FORWARD, quick=False, kinds=("rounding",))
+    ],
     "nn.functional.ctc_loss": [ExpectedFailure(ILL_CONDITIONED.format(error="5e-5"), (torch.float32,), BACKWARD, kinds=("rounding",))],
 }
 
