@@ -94,7 +94,7 @@ def _convolve(input, weight, bias, stride, padding, dilation, transposed, output
             rhs_dilation=dilation,
             dimension_numbers=_dimension_numbers(spatial),
             feature_group_count=groups,
-            precision=config.matmul_precision(),
+            precision=config.conv_precision(),
             preferred_element_type=accumulator,
         )
     else:
@@ -106,7 +106,7 @@ def _convolve(input, weight, bias, stride, padding, dilation, transposed, output
             rhs_dilation=dilation,
             dimension_numbers=_dimension_numbers(spatial),
             feature_group_count=groups,
-            precision=config.matmul_precision(),
+            precision=config.conv_precision(),
             preferred_element_type=accumulator,
         )
     if bias is not None:

@@ -207,6 +207,9 @@ def _trace_body(function, program):
                 leaves[position] = tensor
             args, kwargs = pytree.tree_unflatten(leaves, program.spec)
             random._state["key"] = key
+            # autocast caches the casts of parameters for the length of its block: a cast made
+            # before the trace would enter it as a constant, and one made in it would leak.
+            torch.clear_autocast_cache()
             _trace = trace
             settings.tracing += 1
             try:
@@ -243,6 +246,7 @@ def _trace_body(function, program):
             written = [read_value(inputs[position]) for position in program.mutated_inputs]
             return arrays, mutated, written, random._state["key"]
         finally:
+            torch.clear_autocast_cache()
             trace.restore_free()
             for root, (value, generation) in zip(roots, saved):
                 root._value = value

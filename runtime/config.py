@@ -43,3 +43,14 @@ def matmul_precision():
     if torch.get_float32_matmul_precision() == "highest" and not torch.backends.cuda.matmul.allow_tf32:
         return lax.Precision.HIGHEST
     return lax.Precision.DEFAULT
+
+
+def conv_precision():
+    """The `jax.lax.Precision` of float32 convolutions: torch lets cuDNN use TF32 for them
+    unless `torch.backends.cudnn.allow_tf32` is False (its default is True). XLA's CPU
+    backend computes DEFAULT in full float32, as torch's CPU kernels do."""
+    from jax import lax
+
+    if not torch.backends.cudnn.allow_tf32:
+        return lax.Precision.HIGHEST
+    return lax.Precision.DEFAULT

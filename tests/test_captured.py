@@ -290,3 +290,19 @@ def test_eager_mode_captures_nothing(bridged):
         assert not capture.compiles
     finally:
         bridged.set_mode(previous)
+
+
+def test_two_captured_calls_in_one_autocast_block(captured):
+    """autocast caches parameter casts for its block: a trace must neither take in a cast made
+    before it as a constant nor leave one of its own behind for the next call."""
+    torch.manual_seed(0)
+    model = WithLoss().cuda()
+    x, y = torch.randn(8, 6).cuda(), torch.randint(0, 3, (8,)).cuda()
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        first = model.body[0](x)  # an eager cast of the first weight, cached by autocast
+        losses = [model(x, y)[1] for _ in range(3)]
+    sum(losses).backward()
+    assert first.dtype == torch.bfloat16
+    assert len({loss.item() for loss in losses}) == 1
+    assert not capture.breaks
+    assert len(_regions("WithLoss")) == 1
