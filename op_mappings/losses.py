@@ -510,8 +510,24 @@ def linear_cross_entropy_batch_chunked(
 ):
     """The scalar loss and, computed at once as torch's op does, its gradients (scaled by the upstream
     gradient in the backward)."""
-    accumulate = _chunked_accumulator(input, acc_dtype)
+    return _linear_cross_entropy_with_gradients(
+        input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing,
+        _chunked_accumulator(input, acc_dtype), compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad,
+    )
 
+
+# One program per signature: value_and_grad op by op would dispatch (and compile) every primitive.
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "reduction", "ignore_index", "label_smoothing", "accumulate", "compute_input_grad",
+        "compute_linear_weight_grad", "compute_linear_bias_grad",
+    ),
+)
+def _linear_cross_entropy_with_gradients(
+    input, linear_weight, target, linear_bias, weight, reduction, ignore_index, label_smoothing, accumulate,
+    compute_input_grad, compute_linear_weight_grad, compute_linear_bias_grad,
+):
     def loss(input, linear_weight, linear_bias):
         nll, smooth, target_weight = _linear_cross_entropy_losses(
             input, linear_weight, target, linear_bias, weight, ignore_index, label_smoothing, accumulate
