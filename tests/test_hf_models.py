@@ -31,7 +31,6 @@ transformers = pytest.importorskip(
 )
 
 from runtime import stats  # noqa: E402
-from runtime.config import settings  # noqa: E402
 
 pytestmark = pytest.mark.hf
 
@@ -190,21 +189,6 @@ CASES = {
         _switch,
         _seq2seq_inputs,
         why="top-1 routing with expert capacity, router z-loss and load-balancing loss",
-        marks=[
-            pytest.mark.xfail(
-                settings.capture,  # BRIDGE_MODE=eager: passes
-                strict=True,
-                reason=(
-                    "captured mode: SwitchTransformersTop1Router.forward calls self.classifier.to(dtype), and "
-                    "Module.to inside a captured region fails (torch.utils.swap_tensors: 'Couldn't swap "
-                    "Linear.weight', the region holds references to the parameter), a graph break; the "
-                    "abandoned trace has already appended traced keys/values to the decoder's "
-                    "EncoderDecoderCache (passed into the region by identity), so the eager re-run sees "
-                    "keys of length 16 and 24 for 8 queries and a leaked JAX tracer "
-                    "(UnexpectedTracerError). Matches eager torch with BRIDGE_MODE=eager."
-                ),
-            )
-        ],
     ),
 }
 
