@@ -1,6 +1,7 @@
 """The coverage report (`python -m bridge coverage`): status and parity of every Core ATen overload,
 OpInfo and ModuleInfo entry and public torch function, with totals, as Markdown, JSON and HTML."""
 
+import importlib
 import argparse
 import collections
 import datetime
@@ -181,7 +182,11 @@ def run_sweeps(only=None, quick=False, progress=None, databases=("opinfo", "modu
     """Each database's sweep in child processes (see harness.run_sweep_process)."""
     results = {"opinfo": None, "moduleinfo": None}
     for database in databases:
-        result = harness.run_sweep_process(f"compat.{database}", quick=quick, only=only, progress=progress)
+        if only:
+            result = harness.run_sweep_process(f"compat.{database}", quick=quick, only=only, progress=progress)
+        else:  # every entry: two child processes at once (one per core of the machines CI runs on)
+            names = importlib.import_module(f"compat.{database}").entry_names()
+            result = harness.run_sweep_parallel(f"compat.{database}", names, workers=2, quick=quick, progress=progress)
         if not only or result["records"]:
             results[database] = result
     return results

@@ -482,7 +482,7 @@ def sweep_main(module, argv=None):
     return 0
 
 
-def run_sweep_process(module_name, quick=False, only=None, progress=None, idle_timeout=None):
+def run_sweep_process(module_name, quick=False, only=None, progress=None, idle_timeout=None, exact=None):
     """Run one database's sweep in child processes (a crash or a hang in one entry costs that
     entry, not the sweep). Returns {"records": [dict], "ops": {entry: ops}, "seconds": float,
     "over_budget": [names], "crashed": [names]}."""
@@ -510,6 +510,11 @@ def run_sweep_process(module_name, quick=False, only=None, progress=None, idle_t
             if plan is None:
                 if only:
                     command += ["--only", ",".join(only)]
+                elif exact:
+                    entries_file = os.path.join(folder, "entries.txt")
+                    with open(entries_file, "w", encoding="utf-8") as handle:
+                        handle.write("\n".join(exact))
+                    command += ["--entries", entries_file]
             else:
                 remaining = [name for name in plan if name not in done]
                 if not remaining:
@@ -577,6 +582,40 @@ def run_sweep_process(module_name, quick=False, only=None, progress=None, idle_t
                     )
     result["seconds"] = time.perf_counter() - started
     return result
+
+
+def run_sweep_parallel(module_name, names, workers=2, quick=False, progress=None):
+    """run_sweep_process over `names` split between `workers` child processes at once (the
+    entries interleaved, so slow families spread out); the results merged as one sweep."""
+    import threading
+
+    chunks = [names[start::workers] for start in range(workers)]
+    results = [None] * len(chunks)
+    errors = []
+
+    def sweep(position):
+        try:
+            results[position] = run_sweep_process(module_name, quick=quick, exact=chunks[position], progress=progress)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(error)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=sweep, args=(position,)) for position in range(len(chunks)) if chunks[position]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    merged = {"records": [], "ops": {}, "seconds": time.perf_counter() - started, "over_budget": [], "crashed": []}
+    for result in results:
+        if result is None:
+            continue
+        merged["records"] += result["records"]
+        merged["ops"].update(result["ops"])
+        merged["over_budget"] += result["over_budget"]
+        merged["crashed"] += result["crashed"]
+    return merged
 
 
 def _pump(stream, lines):

@@ -10,7 +10,7 @@ MODULES = moduleinfo.entry_names()
 
 @pytest.fixture(scope="module")
 def sweep():
-    return harness.run_sweep_process("compat.moduleinfo", quick=True)
+    return harness.run_sweep_parallel("compat.moduleinfo", MODULES, workers=2, quick=True)
 
 
 def test_every_module_ran(sweep):

@@ -11,7 +11,7 @@ ENTRIES = opinfo.entry_names()
 @pytest.fixture(scope="module")
 def sweep():
     # In child processes: a crash or a hang costs one entry, and the bridge stays off here.
-    return harness.run_sweep_process("compat.opinfo", quick=True)
+    return harness.run_sweep_parallel("compat.opinfo", ENTRIES, workers=2, quick=True)
 
 
 def test_every_entry_ran(sweep):

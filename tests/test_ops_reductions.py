@@ -346,4 +346,10 @@ def test_adam_foreach_through_bridge(bridged, decoupled, amsgrad):
                 amsgrad=amsgrad, beta1=0.9, beta2=0.999, lr=0.01, weight_decay=0.1, eps=1e-8, maximize=False,
             )
 
-    _compare_optimizer(step)
+    # Eager mode: in captured mode the Adam step runs as one program instead of these foreach
+    # ops (that path is tested in tests/test_captured.py).
+    previous = bridged.set_mode("eager")
+    try:
+        _compare_optimizer(step)
+    finally:
+        bridged.set_mode(previous)
