@@ -1,10 +1,10 @@
 """The coverage report (`python -m bridge coverage`): status and parity of every Core ATen overload,
 OpInfo and ModuleInfo entry and public torch function, with totals, as Markdown, JSON and HTML."""
 
-import importlib
 import argparse
 import collections
 import datetime
+import importlib
 import json
 import os
 import platform
