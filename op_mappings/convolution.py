@@ -1094,12 +1094,14 @@ def _grid_sample_2d(input, grid, interpolation_mode, padding_mode, align_corners
     )
 
 
-@_compiled("interpolation_mode", "padding_mode", "align_corners", "output_mask")
-def _grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
+@_compiled("interpolation_mode", "padding_mode", "align_corners", "output_mask", "spatial")
+def _grid_sampler_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask, spatial):
+    """grid_sampler_{2,3}d_backward: the vjp of the forward sampling, in the accumulation dtype."""
     accumulator = _accumulator(input.dtype)
+    sample = _grid_sample_2d if spatial == 2 else _grid_sample_3d
 
     def forward(input, grid):
-        return _grid_sample_2d(input, grid, interpolation_mode, padding_mode, align_corners)
+        return sample(input, grid, interpolation_mode, padding_mode, align_corners)
 
     _, pullback = jax.vjp(forward, input.astype(accumulator), grid.astype(accumulator))
     grad_input, grad_grid = pullback(grad_output.astype(accumulator))
@@ -1111,8 +1113,8 @@ def _grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padd
 
 @register_mapping(aten.grid_sampler_2d_backward.default)
 def grid_sampler_2d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
-    return _grid_sampler_2d_backward(
-        grad_output, input, grid, interpolation_mode, padding_mode, align_corners, tuple(output_mask)
+    return _grid_sampler_backward(
+        grad_output, input, grid, interpolation_mode, padding_mode, align_corners, tuple(output_mask), 2
     )
 
 
@@ -1160,23 +1162,8 @@ def grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners
     return _grid_sampler_3d(input, grid, interpolation_mode, padding_mode, align_corners)
 
 
-@_compiled("interpolation_mode", "padding_mode", "align_corners", "output_mask")
-def _grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
-    accumulator = _accumulator(input.dtype)
-
-    def forward(input, grid):
-        return _grid_sample_3d(input, grid, interpolation_mode, padding_mode, align_corners)
-
-    _, pullback = jax.vjp(forward, input.astype(accumulator), grid.astype(accumulator))
-    grad_input, grad_grid = pullback(grad_output.astype(accumulator))
-    return (
-        grad_input.astype(input.dtype) if output_mask[0] else None,
-        grad_grid.astype(grid.dtype) if output_mask[1] else None,
-    )
-
-
 @register_mapping(aten.grid_sampler_3d_backward.default)
 def grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, padding_mode, align_corners, output_mask):
-    return _grid_sampler_3d_backward(
-        grad_output, input, grid, interpolation_mode, padding_mode, align_corners, tuple(output_mask)
+    return _grid_sampler_backward(
+        grad_output, input, grid, interpolation_mode, padding_mode, align_corners, tuple(output_mask), 3
     )

@@ -278,17 +278,23 @@ def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None
     return grad.reshape(self.shape).astype(self.dtype)
 
 
-@register_mapping(aten.multilabel_margin_loss_forward.default)
-def multilabel_margin_loss_forward(self, target, reduction):
-    # torch's decomposition lets the -1 padding of the targets count as class 0 (it gathers the
-    # padded slots from class 0 and never masks them out); its kernel, followed here, stops at the first -1.
+def _multilabel_targets(self, target):
+    """Scores as (N, C) in the accumulation dtype, and the targets up to each row's first -1:
+    (accumulator, C, scores, N, listed mask, targets with the padding replaced by class 0)."""
     accumulator = _accumulator(self.dtype)
     classes = self.shape[-1] if self.ndim else 1
     scores = self.astype(accumulator).reshape(-1, classes)
     samples = scores.shape[0]
     target = target.reshape(samples, classes)
     listed = jnp.cumprod(target >= 0, axis=1).astype(jnp.bool_)
-    safe_target = jnp.where(listed, target, 0)
+    return accumulator, classes, scores, samples, listed, jnp.where(listed, target, 0)
+
+
+@register_mapping(aten.multilabel_margin_loss_forward.default)
+def multilabel_margin_loss_forward(self, target, reduction):
+    # torch's decomposition lets the -1 padding of the targets count as class 0 (it gathers the
+    # padded slots from class 0 and never masks them out); its kernel, followed here, stops at the first -1.
+    accumulator, classes, scores, samples, listed, safe_target = _multilabel_targets(self, target)
     is_target = jnp.zeros((samples, classes), jnp.bool_).at[jnp.arange(samples)[:, None], safe_target].max(listed)
     picked = jnp.take_along_axis(scores, safe_target, axis=1)
     hinge = jnp.maximum(1 - picked[:, :, None] + scores[:, None, :], 0)
@@ -303,13 +309,7 @@ def multilabel_margin_loss_forward(self, target, reduction):
 def multilabel_margin_loss_backward(grad_output, self, target, reduction, is_target):
     # torch's kernel: for each target class y (up to the first -1) and each non-target class d
     # with 1 - x[y] + x[d] > 0, x[d] gains g and x[y] loses g; g = 1/C, over N as well for the mean.
-    accumulator = _accumulator(self.dtype)
-    classes = self.shape[-1] if self.ndim else 1
-    scores = self.astype(accumulator).reshape(-1, classes)
-    samples = scores.shape[0]
-    target = target.reshape(samples, classes)
-    listed = jnp.cumprod(target >= 0, axis=1).astype(jnp.bool_)
-    safe_target = jnp.where(listed, target, 0)
+    accumulator, classes, scores, samples, listed, safe_target = _multilabel_targets(self, target)
     picked = jnp.take_along_axis(scores, safe_target, axis=1)  # (N, J): x[y_j]
     others = is_target.reshape(samples, classes) == 0  # (N, C)
     z = 1 - picked[:, :, None] + scores[:, None, :]  # (N, J, C)

@@ -87,3 +87,15 @@ def through_bridge(function, *inputs, differentiable=True):
     summary = stats.summary()
     assert not summary["cpu_fallbacks"], summary["cpu_fallbacks"]
     assert not summary["dtype_corrections"], summary["dtype_corrections"]
+
+
+def assert_same(actual, expected, **tolerance):
+    """Same dtype, shape and values (NaNs equal) as torch's result; lists item by item."""
+    if isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for actual_item, expected_item in zip(actual, expected):
+            assert_same(actual_item, expected_item, **tolerance)
+        return
+    assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != torch's {expected.dtype}"
+    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != torch's {tuple(expected.shape)}"
+    torch.testing.assert_close(actual, expected, equal_nan=True, **tolerance)

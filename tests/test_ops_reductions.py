@@ -9,23 +9,13 @@ import torch  # noqa: E402
 from torch.testing import make_tensor  # noqa: E402
 
 import op_mappings  # noqa: E402,F401  (registers the tables)
-from op_testing import run_mapping, through_bridge  # noqa: E402
+from op_testing import assert_same, run_mapping, through_bridge  # noqa: E402
 
 aten = torch.ops.aten
 
 
 # ---------------------------------------------------------------- harness
 
-
-def assert_same(actual, expected, **tolerance):
-    if isinstance(expected, (list, tuple)):
-        assert len(actual) == len(expected)
-        for actual_item, expected_item in zip(actual, expected):
-            assert_same(actual_item, expected_item, **tolerance)
-        return
-    assert actual.dtype == expected.dtype, f"dtype {actual.dtype} != torch's {expected.dtype}"
-    assert actual.shape == expected.shape, f"shape {tuple(actual.shape)} != torch's {tuple(expected.shape)}"
-    torch.testing.assert_close(actual, expected, equal_nan=True, **tolerance)
 
 
 def check(op, *args, tolerance=None, **kwargs):
