@@ -63,15 +63,14 @@ def _peak_memory(kind):
         return None
 
 
-def worker(workload, precision, case, steps, tiny):
-    """Run one case in this process; returns its measurements."""
+def setup(workload, precision, case, tiny):
+    """Build one case in this process; returns (step, kind): `step()` runs one training step
+    and returns the loss as a Python float; kind says whose allocator holds the memory."""
     sys.path.insert(0, HERE)
     bf16 = precision == "bf16"
-    kind = "torch"
     if case == "jax":
         import jax_models
 
-        kind = "jax"
         if workload != "gpt2":
             raise SystemExit(f"no hand-written JAX version of {workload}")
         config = jax_models_config(tiny)
@@ -79,33 +78,39 @@ def worker(workload, precision, case, steps, tiny):
             import jax
 
             jax.config.update("jax_default_matmul_precision", "tensorfloat32")
-        step = jax_models.gpt_setup(config, batch=2 if tiny else 8, bf16=bf16)
+        return jax_models.gpt_setup(config, batch=2 if tiny else 8, bf16=bf16), "jax"
+    import torch
+
+    kind = "torch"
+    if case.startswith("bridge"):
+        import bridge
+
+        bridge.activate(mode="captured" if case == "bridge-captured" else "eager")
+        kind = "jax"
+    if precision == "fp32-high":
+        torch.set_float32_matmul_precision("high")
+    import models
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if workload == "gpt2":
+        config = models.GPT2_TINY if tiny else models.GPT2_SMALL
+        model, optimizer, data = models.gpt_setup(device, config, batch=2 if tiny else 8)
+        train = models.gpt_step
     else:
-        import torch
+        model, optimizer, data = models.resnet_setup(device, batch=4 if tiny else 64, size=32 if tiny else 224, tiny=tiny)
+        train = models.resnet_step
+    if case == "torch-compile":
+        model = torch.compile(model)
 
-        if case.startswith("bridge"):
-            import bridge
+    def step():
+        return train(model, optimizer, data, bf16)
 
-            bridge.activate(mode="captured" if case == "bridge-captured" else "eager")
-            kind = "jax"
-        if precision == "fp32-high":
-            torch.set_float32_matmul_precision("high")
-        import models
+    return step, kind
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        if workload == "gpt2":
-            config = models.GPT2_TINY if tiny else models.GPT2_SMALL
-            model, optimizer, data = models.gpt_setup(device, config, batch=2 if tiny else 8)
-            train = models.gpt_step
-        else:
-            model, optimizer, data = models.resnet_setup(device, batch=4 if tiny else 64, size=32 if tiny else 224, tiny=tiny)
-            train = models.resnet_step
-        if case == "torch-compile":
-            model = torch.compile(model)
 
-        def step():
-            return train(model, optimizer, data, bf16)
-
+def worker(workload, precision, case, steps, tiny):
+    """Run one case in this process; returns its measurements."""
+    step, kind = setup(workload, precision, case, tiny)
     times, losses = [], []
     for _ in range(steps):
         start = time.perf_counter()

@@ -16,8 +16,9 @@ What a program reads and writes:
 - the RNG key, so random ops draw fresh numbers on every replay.
 
 With autograd recording, the program is split into a forward that also returns the
-residuals of `jax.vjp`, and a backward program; a `torch.autograd.Function` links them to
-torch's graph, with the state tensors that require grad (parameters) as its inputs, so
+residuals of `jax.vjp`, and a backward program (settings.residuals: residuals kept in the
+layouts XLA chose for them, or recomputed by the backward); a `torch.autograd.Function`
+links them to torch's graph, with the state tensors that require grad (parameters) as its inputs, so
 `.grad` accumulates as in eager torch. Double backward (create_graph) goes through a second
 Function that differentiates the backward program with JAX.
 
@@ -169,8 +170,8 @@ class Program:
     grad: bool  # built for autograd (split forward/backward)
     diff_roots: list = None  # positions in roots differentiated
     diff_inputs: list = None  # positions in tensor leaves differentiated
-    forward: object = None  # jitted
-    backward: object = None  # jitted
+    split: object = None  # _Split: forward with vjp residuals, and backward
+    primal: object = None  # jitted: the differentiable body's outputs only
     infer: object = None  # jitted, no autograd
     out_spec: object = None
     out_statics: list = None
@@ -310,11 +311,62 @@ def _build(function, program):
         )
         return pullback(cotangents)
 
-    program.forward = jax.jit(forward)
-    program.backward = jax.jit(lambda pullback, cotangents: pullback(cotangents))
+    def primal(diff_roots, diff_inputs, other_roots, other_inputs, key):
+        return differentiable(diff_roots, diff_inputs, other_roots, other_inputs, key)
+
+    program.split = _Split(forward, settings.residuals == "layout")
+    program.primal = jax.jit(primal)
     program.fused = jax.jit(fused, static_argnums=5)
     program.recompute = jax.jit(recompute)
     program.differentiable = differentiable
+
+
+class _Split:
+    """The forward (outputs and vjp residuals) and backward (pullback) programs of split runs.
+
+    The residuals pass from one program to the other on the device. By default an XLA
+    program's outputs are laid out row-major, so a residual XLA keeps in another layout inside
+    the program (a convolution's activations, channels last on GPUs) is transposed on the way
+    out and back on the way into the backward: on ResNet-50 that was half of the GPU's time.
+    With `keep_layouts`, the forward is compiled with its residuals in the layouts XLA chose
+    (`Layout.AUTO`) and the backward is compiled to take them as they are. XLA's CPU backend
+    chooses row-major anyway.
+    """
+
+    def __init__(self, forward, keep_layouts):
+        self._forward_function = forward
+        self._plain_forward = jax.jit(forward)
+        self._plain_backward = jax.jit(_pull)
+        self._keep_layouts = keep_layouts
+        self._forward = None
+        self._backwards = {}
+
+    def forward(self, *primals):
+        if self._keep_layouts and self._forward is None:
+            try:
+                from jax.experimental.layout import Format, Layout
+
+                jitted = jax.jit(self._forward_function, out_shardings=(None, None, Format(Layout.AUTO)))
+                self._forward = jitted.lower(*primals).compile()
+            except Exception:  # noqa: BLE001 - a JAX without layout control: plain programs
+                self._keep_layouts = False
+        if not self._keep_layouts:
+            return self._plain_forward(*primals)
+        return self._forward(*primals)
+
+    def backward(self, pullback, cotangents):
+        if not self._keep_layouts:
+            return self._plain_backward(pullback, cotangents)
+        signature = tuple((value.shape, value.dtype, getattr(value, "weak_type", False)) for value in cotangents)
+        compiled = self._backwards.get(signature)
+        if compiled is None:
+            jitted = jax.jit(_pull, in_shardings=(self._forward.output_formats[2], None))
+            compiled = self._backwards[signature] = jitted.lower(pullback, cotangents).compile()
+        return compiled(pullback, cotangents)
+
+
+def _pull(pullback, cotangents):
+    return pullback(cotangents)
 
 
 @jax.jit
@@ -386,8 +438,10 @@ class _RegionFunction(torch.autograd.Function):
         ctx.gradients = ctx.pullback = None
         if program.speculate is not None:
             floats, (others, mutated, written, new_key), ctx.gradients = program.fused(*primals, program.speculate)
+        elif settings.residuals == "recompute":
+            floats, (others, mutated, written, new_key) = program.primal(*primals)
         else:
-            floats, (others, mutated, written, new_key), ctx.pullback = program.forward(*primals)
+            floats, (others, mutated, written, new_key), ctx.pullback = program.split.forward(*primals)
         _write_back(program, state["inputs"], mutated, written, new_key)
         floats, others = iter(floats), iter(others)
         arrays = [next(floats) if is_float else next(others) for is_float in program.out_float]
@@ -419,7 +473,10 @@ class _RegionFunction(torch.autograd.Function):
             program.speculate = None  # this region's outputs are used otherwise: split runs again
             d_roots, d_inputs = program.recompute(ctx.primals, cotangents)
         else:
-            d_roots, d_inputs = program.backward(ctx.pullback, cotangents)
+            if ctx.pullback is None:  # residuals="recompute": the backward runs the forward again
+                d_roots, d_inputs = program.recompute(ctx.primals, cotangents)
+            else:
+                d_roots, d_inputs = program.split.backward(ctx.pullback, cotangents)
             if len(given) == 1 and ctx.float_avals[given[0]][0] == () and program.speculate is None:
                 program.speculate = given[0]
         return (None, None, *[BridgeTensor(value, index) for value in list(d_roots) + list(d_inputs)])

@@ -1,0 +1,192 @@
+"""Where a benchmark case's step time goes: kernels, XLA programs, and the host's share.
+
+    python benchmarks/profile_step.py gpt2:bf16:bridge-captured gpt2:bf16:jax --out /tmp/prof
+
+Each case (workload:precision:case, as in run.py) runs in its own process: warm-up steps, then
+a few steps under a profiler (jax.profiler's Perfetto trace for JAX-backed cases, torch.profiler
+for torch cases). Writes <out>/<case>.txt: wall time per step, GPU busy time per step (the union
+of kernel intervals), the XLA programs run per step, and the kernels by total time, each also
+summed into a family (matmul, attention, convolution, fusion, copy/transpose, reduction, other).
+"""
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+FAMILIES = (
+    ("attention", ("flash", "fmha", "cudnn_generated_fort_native_sdpa", "sdpa", "attention")),
+    ("convolution", ("conv", "implicit_gemm", "wgrad", "dgrad", "fprop", "winograd")),
+    ("matmul", ("gemm", "cutlass", "xmma", "nvjet", "matmul", "dot", "cublas")),
+    ("copy/transpose", ("transpose", "copy", "memcpy", "concatenate", "dynamic_update_slice")),
+    ("reduction", ("reduce", "reduction")),
+    ("fusion", ("fusion", "loop_", "input_", "triton", "elementwise", "vectorized")),
+)
+
+
+def family(name):
+    lowered = name.lower()
+    for label, needles in FAMILIES:
+        if any(needle in lowered for needle in needles):
+            return label
+    return "other"
+
+
+def _union(intervals):
+    total, end = 0.0, None
+    for start, stop in sorted(intervals):
+        if end is None or start > end:
+            total += stop - start
+            end = stop
+        elif stop > end:
+            total += stop - end
+            end = stop
+    return total
+
+
+def _report(title, wall_ms, steps, kernels, programs=None, host=None):
+    """kernels: [(name, start_us, dur_us)]; programs: {name: [dur_us]}; host: {name: [dur_us]}."""
+    busy = _union([(start, start + dur) for _, start, dur in kernels]) / 1e3 / steps
+    lines = [f"# {title}", f"wall per step: {wall_ms:.2f} ms", f"GPU busy per step (union of kernels): {busy:.2f} ms"]
+    by_family = collections.Counter()
+    by_name = collections.defaultdict(lambda: [0.0, 0])
+    for name, _, dur in kernels:
+        by_family[family(name)] += dur
+        by_name[name][0] += dur
+        by_name[name][1] += 1
+    total = sum(by_family.values()) or 1.0
+    lines.append(f"kernel time per step (sum): {total / 1e3 / steps:.2f} ms")
+    lines.append("\n## families (ms per step, share)")
+    for label, dur in by_family.most_common():
+        lines.append(f"{label:16s} {dur / 1e3 / steps:8.2f}  {100 * dur / total:5.1f}%")
+    for label, table in (("XLA programs", programs), ("host events", host)):
+        if table:
+            lines.append(f"\n## {label} (ms per step, calls per step)")
+            for name, durs in sorted(table.items(), key=lambda item: -sum(item[1]))[:25]:
+                lines.append(f"{sum(durs) / 1e3 / steps:8.2f} {len(durs) / steps:6.1f}  {name[:150]}")
+    lines.append("\n## kernels (ms per step, calls per step, family)")
+    for name, (dur, count) in sorted(by_name.items(), key=lambda item: -item[1][0])[:60]:
+        lines.append(f"{dur / 1e3 / steps:8.3f} {count / steps:6.1f}  {family(name):14s} {name[:160]}")
+    return "\n".join(lines) + "\n"
+
+
+def _jax_profile(step, warmup, steps, directory):
+    import jax
+
+    for _ in range(warmup):
+        step()
+    jax.profiler.start_trace(directory, create_perfetto_trace=True)
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    jax.profiler.stop_trace()
+    path = sorted(glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"), recursive=True))[-1]
+    with gzip.open(path) as handle:
+        events = json.load(handle)["traceEvents"]
+    processes, threads = {}, {}
+    for event in events:
+        if event.get("ph") == "M" and event.get("name") == "process_name":
+            processes[event["pid"]] = event["args"]["name"]
+        if event.get("ph") == "M" and event.get("name") == "thread_name":
+            threads[(event["pid"], event["tid"])] = event["args"]["name"]
+    kernels, programs, host = [], collections.defaultdict(list), collections.defaultdict(list)
+    for event in events:
+        if event.get("ph") != "X":
+            continue
+        process = processes.get(event["pid"], "")
+        thread = threads.get((event["pid"], event.get("tid")), "")
+        if "GPU" in process or "device" in process.lower():
+            if "XLA Modules" in thread:
+                programs[event["name"]].append(event["dur"])
+            elif "Stream" in thread or "stream" in thread:
+                kernels.append((event["name"], event["ts"], event["dur"]))
+        elif thread == "python" and event["name"].startswith("PjitFunction"):
+            host[event["name"]].append(event["dur"])
+    return wall_ms, kernels, programs, host
+
+
+def _torch_profile(step, warmup, steps):
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall_ms = (time.perf_counter() - start) * 1e3 / steps
+    kernels = [
+        (event.name, event.time_range.start, event.time_range.end - event.time_range.start)
+        for event in prof.events()
+        if event.device_type == torch.autograd.DeviceType.CUDA
+    ]
+    return wall_ms, kernels
+
+
+def worker(spec, warmup, steps, out, tiny):
+    sys.path.insert(0, HERE)
+    import run
+
+    workload, precision, case = spec.split(":")
+    step, kind = run.setup(workload, precision, case, tiny)
+    if kind == "torch":
+        wall_ms, kernels = _torch_profile(step, warmup, steps)
+        text = _report(spec, wall_ms, steps, kernels)
+    else:
+        directory = tempfile.mkdtemp(prefix="trace_")
+        wall_ms, kernels, programs, host = _jax_profile(step, warmup, steps, directory)
+        for path in glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"), recursive=True):
+            shutil.copy(path, os.path.join(out, spec.replace(":", "_") + ".perfetto.json.gz"))
+        text = _report(spec, wall_ms, steps, kernels, programs, host)
+        if case.startswith("bridge"):
+            from runtime import capture
+
+            text += "\n## bridge\n" + json.dumps(capture.summary(), indent=1, default=str) + "\n"
+    with open(os.path.join(out, spec.replace(":", "_") + ".txt"), "w") as handle:
+        handle.write(text)
+    print(text, flush=True)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("cases", nargs="*", help="workload:precision:case, e.g. gpt2:bf16:bridge-captured")
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", default=os.path.join(HERE, "results", "profiles"))
+    parser.add_argument("--timeout", type=int, default=400)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    os.makedirs(options.out, exist_ok=True)
+    if options.worker:
+        worker(options.worker, options.warmup, options.steps, options.out, options.tiny)
+        return 0
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for spec in options.cases:
+        command = [sys.executable, __file__, "--worker", spec, "--warmup", str(options.warmup), "--steps", str(options.steps), "--out", options.out]
+        if options.tiny:
+            command.append("--tiny")
+        print(f"== {spec}", flush=True)
+        try:
+            done = subprocess.run(command, timeout=options.timeout, env=env, capture_output=True, text=True)
+            print(done.stdout[-6000:] if done.returncode == 0 else (done.stdout + done.stderr)[-3000:], flush=True)
+        except subprocess.TimeoutExpired:
+            print(f"{spec}: over {options.timeout} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
