@@ -347,7 +347,12 @@ def _mapped_plan(func, mapping):
                 expected = None
         values, keywords, index = _unwrap_all(args, kwargs)
         if rng:
-            keywords["key"] = random.next_key()
+            generator = keywords.get("generator")
+            if generator is None:
+                keywords["key"] = random.next_key()
+            else:
+                keywords["key"] = random.generator_key(generator)
+                keywords["generator"] = None  # drawn from; the entry only takes the key
         try:
             out = call(values, keywords)
         except Exception as error:

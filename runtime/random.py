@@ -6,6 +6,9 @@ Bit parity with torch's generators is not a goal; reproducibility from
 
 import jax
 import numpy as np
+import torch
+
+from .config import settings
 
 _state = {"key": None, "seed": 0}
 
@@ -52,3 +55,18 @@ def set_state(state):
     _state["seed"] = int(np.frombuffer(state[:8], dtype=np.uint64)[0])
     data = np.frombuffer(state[8:], dtype=np.uint32)
     _state["key"] = jax.random.wrap_key_data(jax.numpy.asarray(data))
+
+
+def generator_key(generator):
+    """A key for one random op called with `generator=`: seeded from 63 bits drawn from that
+    torch generator, so the op follows the generator's seed and state, not the global stream.
+
+    A region being captured cannot take the draw (it happens on the host, once, and a replay
+    would repeat its numbers): the region runs eagerly instead.
+    """
+    if settings.tracing:
+        from .capture import GraphBreak
+
+        raise GraphBreak("a random op draws from a torch.Generator passed to it (its state lives on the host)")
+    seed_value = torch.empty((), dtype=torch.int64, device="cpu").random_(generator=generator).item()
+    return jax.random.key(seed_value)

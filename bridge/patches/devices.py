@@ -9,9 +9,12 @@ import time
 import jax
 import torch
 from torch.nn.parameter import UninitializedTensorMixin, is_lazy
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime import devices
+from runtime.capture import GraphBreak
 from runtime.config import settings
+from runtime.dispatch import dispatch
 from runtime.tensor import BridgeTensor, to_bridge, to_bridge_autograd
 
 from . import collect, replace, wrap
@@ -101,6 +104,11 @@ _FACTORIES = (
 )
 
 
+# Factories that draw random numbers: on a bridge device they draw from the bridge's generator.
+_RANDOM_FACTORIES = {"rand", "randn", "randint", "randperm", "normal", "rand_like", "randn_like", "randint_like"}
+_META = torch.device("meta")
+
+
 def _factory(wrapped, instance, args, kwargs):
     device = kwargs.get("device")
     if device is None:
@@ -108,16 +116,45 @@ def _factory(wrapped, instance, args, kwargs):
     index = devices.bridge_index(device)
     if index is None:
         return wrapped(*args, **kwargs)
+    return _make_on_bridge(wrapped, args, kwargs, index)
+
+
+def _make_on_bridge(function, args, kwargs, index):
+    """`function(*args, **kwargs)` (a torch factory whose `device=` names bridge device `index`) as a bridge tensor."""
     kwargs = dict(kwargs)
-    del kwargs["device"]
+    # An explicit host device, so that a default-device mode (`with torch.device(...)`) leaves it.
+    kwargs["device"] = "cpu"
     requires_grad = kwargs.pop("requires_grad", False)
     kwargs.pop("pin_memory", None)
-    result = wrapped(*args, **kwargs)
+    if function.__name__ in _RANDOM_FACTORIES and kwargs.get("generator") is None:
+        with _DrawOnBridge():
+            result = function(*args, **kwargs)
+    else:
+        if kwargs.get("generator") is not None and settings.tracing:
+            raise GraphBreak(
+                f"torch.{function.__name__} draws from a torch.Generator passed to it (its state lives on the host)"
+            )
+        # Drawn on the host with the script's generator: the numbers torch gives for its seed.
+        result = function(*args, **kwargs)
     if not isinstance(result, BridgeTensor):
         result = to_bridge(result, index)
+    elif result._index != index:
+        result = result.to(devices.torch_device(index))
     if requires_grad:
         result.requires_grad_(True)
     return result
+
+
+class _DrawOnBridge(TorchDispatchMode):
+    """Runs a random factory's ATen op (aten.randn, ...) through the bridge's table, which draws
+    from the bridge's generator: `torch.manual_seed` and `torch.cuda.manual_seed` reseed it, and a
+    captured region takes its key as an input, so that each replay draws new numbers (a draw on
+    the host would enter the program as a constant)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        kwargs["device"] = _META  # the entry places its result; torch's meta check then draws nothing
+        return dispatch(func, args, kwargs)
 
 
 def _factory_patches():

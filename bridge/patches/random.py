@@ -1,10 +1,13 @@
-"""Randomness: torch's seeding functions also seed the bridge's JAX generator."""
+"""Randomness: torch's seeding functions also seed the bridge's JAX generator, and
+`torch.Generator("cuda")` makes a generator for the bridge device."""
 
 import torch
 
-from runtime import random
+from runtime import devices, random
 
 from . import collect, replace, wrap
+
+_TorchGenerator = torch._C.Generator
 
 
 @wrap(torch, "manual_seed")
@@ -41,6 +44,69 @@ def cuda_manual_seed(wrapped, instance, args, kwargs):
 @wrap(torch.cuda, "manual_seed_all")
 def cuda_manual_seed_all(wrapped, instance, args, kwargs):
     _seed_bridge(wrapped, instance, args, kwargs)
+
+
+@replace(torch.cuda, "seed")
+def cuda_seed():
+    random.seed(_TorchGenerator().seed())
+
+
+@replace(torch.cuda, "seed_all")
+def cuda_seed_all():
+    cuda_seed()
+
+
+class BridgeGenerator(_TorchGenerator):
+    """A `torch.Generator` of a bridge device ('cuda:N'), what `torch.Generator("cuda")` returns.
+
+    Its state is that of a torch CPU generator, so `manual_seed`, `seed`, `initial_seed`,
+    `get_state` and `set_state` are torch's own. Factories that name the bridge device and this
+    generator draw on the host with it (the numbers torch's CPU generator gives for the seed) and
+    copy the result; random ops on bridge tensors take their JAX key from 63 bits drawn from it
+    (runtime.random.generator_key). Either way the draws follow its seed and state alone.
+    """
+
+    def __new__(cls, index=0):
+        devices.jax_device(index)  # validates the ordinal
+        generator = super().__new__(cls)
+        generator._index = index
+        return generator
+
+    @property
+    def device(self):
+        return devices.torch_device(self._index)
+
+    def clone_state(self):
+        clone = BridgeGenerator(self._index)
+        clone.set_state(self.get_state())
+        return clone
+
+    def __reduce__(self):
+        _cls, _device, state = super().__reduce__()
+        return BridgeGenerator, (self._index,), state
+
+
+class _AnyTorchGenerator(type(_TorchGenerator)):
+    """Metaclass of the patched `torch.Generator`: `isinstance(g, torch.Generator)` stays true
+    for every generator, torch's own (`torch.default_generator`, ...) included."""
+
+    def __instancecheck__(cls, instance):
+        return isinstance(instance, _TorchGenerator)
+
+    def __subclasscheck__(cls, subclass):
+        return issubclass(subclass, _TorchGenerator)
+
+
+@replace(torch, "Generator")
+class Generator(_TorchGenerator, metaclass=_AnyTorchGenerator):
+    """`torch.Generator(device)`: a BridgeGenerator for a bridge device, torch's own for any other
+    (torch's CPU build cannot make a CUDA generator: it has no CUDA library)."""
+
+    def __new__(cls, device="cpu"):
+        index = devices.bridge_index(device)
+        if index is None:
+            return _TorchGenerator(device)
+        return BridgeGenerator(index)
 
 
 def _state_tensor():
