@@ -17,6 +17,7 @@ _SURFACES = [
     importlib.import_module("torch.optim.optimizer"),
     importlib.import_module("torch.nn.utils.clip_grad"),
     importlib.import_module("torch.optim.swa_utils"),
+    importlib.import_module("torch.utils._device"),
 ]
 
 

@@ -1,14 +1,17 @@
 """Devices: 'cuda' in torch's API names the bridge's JAX devices.
 
 Covers moving tensors (`Tensor.to/cuda`), factory functions called with
-`device=`, and the `torch.cuda` / `torch.accelerator` queries scripts make.
+`device=` or under a default device (`torch.set_default_device`, `with
+torch.device(...)`), and the `torch.cuda` / `torch.accelerator` queries scripts make.
 """
 
 import time
 
 import jax
 import torch
+import torch.utils._device
 from torch.nn.parameter import UninitializedTensorMixin, is_lazy
+from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime import devices
@@ -161,6 +164,44 @@ def _factory_patches():
     from . import Patch
 
     return [Patch(torch, name, wrapper=_factory) for name in _FACTORIES if hasattr(torch, name)]
+
+
+# torch.set_default_device and `with torch.device(...)`: torch builds both on
+# torch.utils._device.DeviceContext, a function mode that adds `device=` to factory calls.
+_TorchDeviceContext = torch.utils._device.DeviceContext
+
+
+class _AnyDeviceContext(type(_TorchDeviceContext)):
+    """Metaclass of the patched DeviceContext: torch's bookkeeping of the mode stack checks
+    `isinstance(mode, DeviceContext)`, which must hold for contexts made before activation too."""
+
+    def __instancecheck__(cls, instance):
+        return isinstance(instance, _TorchDeviceContext)
+
+    def __subclasscheck__(cls, subclass):
+        return issubclass(subclass, _TorchDeviceContext)
+
+
+@replace(torch.utils._device, "DeviceContext")
+class BridgeDeviceContext(_TorchDeviceContext, metaclass=_AnyDeviceContext):
+    """A default device that names a bridge device makes factories called without `device=`
+    (and modules built in `with torch.device("cuda"):`) create bridge tensors."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if kwargs.get("device") is None and func in _device_constructors():
+            index = devices.bridge_index(self.device)
+            if index is not None and _bridge_active():
+                return _make_on_bridge(func, args, kwargs, index)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _bridge_active():
+    # A default device set while the bridge was active outlives deactivation; it then
+    # behaves as torch's own (which cannot make CUDA tensors on a CPU build).
+    from bridge.activation import is_active
+
+    return is_active()
 
 
 # torch.cuda queries.
