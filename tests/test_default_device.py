@@ -159,3 +159,14 @@ def test_default_device_set_before_activation_is_kept(default_device_reset):
         assert torch.zeros(1).is_cuda
         torch.set_default_device(None)
         assert type(torch.zeros(1)) is torch.Tensor
+
+
+def test_cuda_device_context_switches_the_current_device(bridged):
+    with torch.cuda.device(0):
+        assert torch.cuda.current_device() == 0
+        assert torch.zeros(1, device="cuda").device == torch.device("cuda", 0)
+    with torch.cuda.device_of(torch.ones(1, device="cuda")):
+        assert torch.cuda.current_device() == 0
+    with torch.cuda.device(-1):  # torch: a negative index is a no-op
+        assert torch.cuda.current_device() == 0
+    assert torch.cuda.is_initialized() and torch.cuda._initialized

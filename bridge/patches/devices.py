@@ -236,6 +236,29 @@ def init():
     return None
 
 
+# `with torch.cuda.device(i):` / `torch.cuda.device_of(t)` switch the current device through these.
+@replace(torch.cuda, "_exchange_device")
+def exchange_device(index):
+    if index < 0:
+        return -1
+    previous = devices.current_index()
+    set_device(index)
+    return previous
+
+
+@replace(torch.cuda, "_maybe_exchange_device")
+def maybe_exchange_device(index):
+    return exchange_device(index)
+
+
+def _initialized_patch():
+    from . import Patch
+
+    # Read directly (not through is_initialized) by torch.utils.checkpoint, which saves and
+    # restores the device's RNG state around recomputation only when it is true.
+    return Patch(torch.cuda, "_initialized", replacement=True)
+
+
 @replace(torch.cuda, "synchronize")
 def synchronize(device=None):
     # Every dispatched JAX computation finishes before this returns.
@@ -470,4 +493,4 @@ def accelerator_empty_cache():
     return None
 
 
-PATCHES = collect(dict(globals())) + _factory_patches()
+PATCHES = collect(dict(globals())) + _factory_patches() + [_initialized_patch()]
