@@ -24,6 +24,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     indexing,
     factories,
     linalg,
+    grouped_matmul,
     convolution,
     normalization,
     losses,

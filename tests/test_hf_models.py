@@ -177,13 +177,7 @@ CASES = {
     "mixtral": Case(
         _mixtral,
         _causal_lm_inputs,
-        why="top-2 routing over 4 experts, router load-balancing loss",
-        fallbacks={
-            "aten._grouped_mm.default": (
-                "no mapping yet: transformers' default experts implementation ('grouped_mm') calls "
-                "torch._grouped_mm on a 'cuda' device; it runs on the host CPU"
-            )
-        },
+        why="top-2 routing over 4 experts (transformers' grouped_mm experts), router load-balancing loss",
     ),
     "switch": Case(
         _switch,
