@@ -29,6 +29,7 @@ def is_active():
 
 
 MODES = ("captured", "eager")
+RESIDUALS = ("matmuls", "all", "recompute")  # settings.residuals (runtime/config.py)
 
 
 def activate(device="auto", strict=False, check_signatures=True, mode=None):
@@ -50,6 +51,8 @@ def activate(device="auto", strict=False, check_signatures=True, mode=None):
     mode = mode or os.environ.get("BRIDGE_MODE") or "captured"
     if mode not in MODES:
         raise ActivationError(f"mode={mode!r} (or BRIDGE_MODE) is not one of {list(MODES)}")
+    if settings.residuals not in RESIDUALS:
+        raise ActivationError(f"BRIDGE_RESIDUALS={settings.residuals!r} is not one of {list(RESIDUALS)}")
     # torch's int64 and float64 are real; JAX truncates them to 32 bits without this.
     jax.config.update("jax_enable_x64", True)
     _configure_xla()

@@ -22,8 +22,8 @@ def _accumulator(dtype):
     return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
 
 
-@functools.partial(jax.jit, static_argnames=("is_causal", "scale"))
-def _attention(query, key, value, is_causal, attn_mask, scale):
+@functools.partial(jax.jit, static_argnames=("is_causal", "scale", "blocks"))
+def _attention(query, key, value, is_causal, attn_mask, scale, blocks=True):
     """(output, logsumexp of the scaled, masked scores); softmax in float32 for half-precision inputs.
 
     In captured regions on a GPU, `_cudnn_output` replaces the output for half-precision inputs.
@@ -36,7 +36,7 @@ def _attention(query, key, value, is_causal, attn_mask, scale):
         # Grouped-query attention: each key/value head serves a contiguous group of query heads.
         key = jnp.repeat(key, query_heads // key_heads, axis=-3)
         value = jnp.repeat(value, query_heads // key_heads, axis=-3)
-    block = _causal_block(query, key, is_causal, attn_mask)
+    block = blocks and _causal_block(query, key, is_causal, attn_mask)
     if block:
         out, logsumexp = _blocked_causal(query, key, value, scale, block, config.matmul_precision())
         return out.astype(query.dtype), logsumexp
@@ -224,8 +224,12 @@ def scaled_dot_product_flash_attention_for_cpu(
     query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
 ):
     _check_dropout(dropout_p)
-    out, logsumexp = _attention(query, key, value, is_causal=is_causal, attn_mask=attn_mask, scale=scale)
     fused = _cudnn_output(query, key, value, is_causal, attn_mask, scale)
+    # Beside cuDNN's output, the logsumexp output goes unused and XLA drops its computation; a
+    # custom_vjp (the blocked path) would still run its backward on zero cotangents.
+    out, logsumexp = _attention(
+        query, key, value, is_causal=is_causal, attn_mask=attn_mask, scale=scale, blocks=fused is None
+    )
     return (out if fused is None else fused), logsumexp
 
 

@@ -20,10 +20,11 @@ class Settings:
         self.mode = os.environ.get("BRIDGE_MODE", "captured")
         # Depth of region traces in progress (runtime/capture.py); table entries then run inline.
         self.tracing = 0
-        # Split runs (a region whose outputs get gradients from outside it): "layout" keeps the
-        # vjp residuals in the layouts XLA chose, "plain" passes them row-major, "recompute"
-        # keeps no residuals and runs the forward again in the backward program.
-        self.residuals = os.environ.get("BRIDGE_RESIDUALS", "layout")
+        # Split runs (a region whose outputs get gradients from outside it), what the forward
+        # program keeps for the backward: "matmuls" (the results of matmuls and convolutions;
+        # the backward recomputes the rest), "all" (every residual of jax.vjp) or "recompute"
+        # (nothing; the backward runs the forward again). Kept values stay in XLA's layouts.
+        self.residuals = os.environ.get("BRIDGE_RESIDUALS", "matmuls")
         # The name scripts see for bridge devices.
         self.device_type = "cuda"
 
