@@ -34,6 +34,7 @@ import time
 import traceback
 
 import jax
+import jax.extend.core as jax_core
 import torch
 from torch.utils import _pytree as pytree
 
@@ -270,24 +271,40 @@ def _merge(chosen, rest, positions, count):
     return merged
 
 
-def _compiler_options():
-    """XLA options for a program compiled now. float32 products at torch's default precision
-    (full float32, no autocast) are faster through cuBLAS than through XLA's Triton GEMM
-    fusions, and autotuning those fusions took a GPT-2 step's compile from 21 s to 122 s on an
-    H100 (benchmarks/results). Other programs keep XLA's defaults."""
+def _compiler_options(jaxpr):
+    """XLA options for a program. float32 matmuls at torch's default precision (full float32,
+    no autocast) run faster through cuBLAS than through XLA's Triton GEMM fusions, and
+    autotuning those fusions took GPT-2's first step from 19 s to 122 s on an H100. Programs
+    with convolutions keep Triton, which serves XLA's 1x1-convolution GEMMs best (ResNet-50:
+    45 ms a step without it, 40 ms with). Results: benchmarks/results."""
     from jax import lax
 
     from .config import matmul_precision
 
-    if matmul_precision() == lax.Precision.HIGHEST and not torch.is_autocast_enabled("cpu"):
+    if (
+        matmul_precision() == lax.Precision.HIGHEST
+        and not torch.is_autocast_enabled("cpu")
+        and not _uses(jaxpr.jaxpr, "conv_general_dilated")
+    ):
         return {"xla_gpu_enable_triton_gemm": False}
     return None
 
 
-def _build(function, program):
-    options = _compiler_options()
-    body = _trace_body(function, program)
-    program.body = body
+def _uses(jaxpr, primitive):
+    """Whether a jaxpr (or one nested in it: jitted mappings, custom rules) applies `primitive`."""
+    for equation in jaxpr.eqns:
+        if equation.primitive.name == primitive:
+            return True
+        for value in equation.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)
+                if isinstance(inner, jax_core.Jaxpr) and _uses(inner, primitive):
+                    return True
+    return False
+
+
+def _build(program, options):
+    body = program.body
     if not program.grad:
         program.infer = jax.jit(body, compiler_options=options)
         return
@@ -661,11 +678,12 @@ class Region:
         for _ in range(MAX_RETRACES):
             program = self._program(leaves, spec, roots, inputs)
             try:
-                if program.grad:
-                    # Trace once without compiling to see the outputs (is there a loss?).
-                    root_values, input_values = _gather(program, inputs)
-                    jax.eval_shape(program.body, root_values, input_values, random.current_key())
-                    self._guess_scalar(program)
+                # Trace once without compiling to see the outputs (is there a loss?) and the
+                # operations (which XLA options suit them).
+                root_values, input_values = _gather(program, inputs)
+                jaxpr = jax.make_jaxpr(program.body)(root_values, input_values, random.current_key())
+                _build(program, _compiler_options(jaxpr))
+                self._guess_scalar(program)
                 result = run(program, inputs)
             except _FreeTensors as found:
                 self.extra_roots.extend(found.args[0])
@@ -693,7 +711,7 @@ class Region:
             ]
             program.diff_inputs = [i for i, tensor in enumerate(inputs) if tensor.requires_grad and _is_float(tensor.dtype)]
             program.grad = bool(program.diff_roots or program.diff_inputs)
-        _build(self.function, program)
+        program.body = _trace_body(self.function, program)
         return program
 
     @staticmethod
