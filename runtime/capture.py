@@ -504,16 +504,25 @@ class _RegionFunction(torch.autograd.Function):
         program = ctx.program
         grads = [grad for grad, is_float in zip(grads, program.out_float) if is_float]
         given = [position for position, grad in enumerate(grads) if grad is not None]
-        grads = [_gradient(grad, shape, dtype, program.index) for grad, (shape, dtype) in zip(grads, ctx.float_avals)]
         index = program.index
+        if ctx.gradients is not None and given == [program.speculate] and not torch.is_grad_enabled():
+            # A fused run: only the scalar's gradient is used; the other outputs' zeros (GPT-2's
+            # logits: 0.8 GB) are never made. `loss.backward()`'s implicit gradient of ones
+            # needs no scaling program (one kernel per parameter, launched from the host).
+            grad = grads[program.speculate]
+            if _is_ones(grad):
+                d_roots, d_inputs = ctx.gradients
+            else:
+                shape, dtype = ctx.float_avals[program.speculate]
+                d_roots, d_inputs = _scale(ctx.gradients, read_value(_gradient(grad, shape, dtype, index)))
+            return (None, None, *[BridgeTensor(value, index) for value in list(d_roots) + list(d_inputs)])
+        grads = [_gradient(grad, shape, dtype, index) for grad, (shape, dtype) in zip(grads, ctx.float_avals)]
         if torch.is_grad_enabled():
             # create_graph=True: the gradients need a graph of their own (double backward).
             results = _RegionGradFunction.apply(program, ctx.primals, len(grads), *grads, *ctx.diff_tensors)
             return (None, None, *results)
         cotangents = [read_value(grad) for grad in grads]
-        if ctx.gradients is not None and given == [program.speculate]:
-            d_roots, d_inputs = _scale(ctx.gradients, cotangents[program.speculate])
-        elif ctx.gradients is not None:
+        if ctx.gradients is not None:
             program.speculate = None  # this region's outputs are used otherwise: split runs again
             d_roots, d_inputs = program.recompute(ctx.primals, cotangents)
         else:
@@ -524,6 +533,16 @@ class _RegionFunction(torch.autograd.Function):
             if len(given) == 1 and ctx.float_avals[given[0]][0] == () and program.speculate is None:
                 program.speculate = given[0]
         return (None, None, *[BridgeTensor(value, index) for value in list(d_roots) + list(d_inputs)])
+
+
+def mark_ones(tensor):
+    """Note that a bridge tensor holds ones, as made (torch's implicit gradient of a scalar)."""
+    tensor._ones_at = tensor._generation
+
+
+def _is_ones(tensor):
+    # Still as made: an in-place write (a hook editing the gradient) bumps the generation.
+    return isinstance(tensor, BridgeTensor) and not tensor._chain and getattr(tensor, "_ones_at", None) == tensor._generation
 
 
 def _gradient(grad, shape, dtype, index):

@@ -94,6 +94,30 @@ def test_loss_inside_the_model_runs_forward_and_backward_as_one_program(captured
     assert program.speculate is None
 
 
+def test_fused_backward_of_the_implicit_ones_and_of_other_gradients(captured):
+    """`loss.backward()` hands the fused gradients on as they are; an explicit gradient, or the
+    implicit one edited in place by a hook, scales them."""
+    torch.manual_seed(0)
+    reference, model = _pair(WithLoss())
+    hooks = {"triple": lambda grad: grad.mul_(3)}
+    for backward in ("implicit", "implicit", "explicit", "hooked"):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        for net, device in ((reference, "cpu"), (model, "cuda")):
+            net.zero_grad()
+            _, loss = net(x.to(device), y.to(device))
+            if backward == "explicit":
+                loss.backward(torch.tensor(0.25, device=device))
+            elif backward == "hooked":
+                loss.register_hook(hooks["triple"])
+                loss.backward()
+            else:
+                loss.backward()
+        for p_ref, p in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-7)
+    (program,) = [p for region in capture_regions(model) for p in region.programs.values()]
+    assert program.speculate == 1
+
+
 def capture_regions(module):
     from bridge.patches import capture as patches
 

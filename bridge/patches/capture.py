@@ -340,7 +340,23 @@ def sgd(wrapped, instance, args, kwargs):
     return None
 
 
+# ---------------------------------------------------------------- loss.backward()
+
+
+def make_grads(wrapped, instance, args, kwargs):
+    """torch.autograd's implicit gradient of a scalar output (`loss.backward()`) is a tensor of
+    ones: marked, so that a fused region's backward hands its gradients on unscaled."""
+    grads = args[1] if len(args) > 1 else kwargs["grads"]
+    made = wrapped(*args, **kwargs)
+    if settings.capture:
+        for given, tensor in zip(grads, made):
+            if given is None and isinstance(tensor, BridgeTensor):
+                capture.mark_ones(tensor)
+    return made
+
+
 PATCHES = [
+    Patch(torch.autograd, "_make_grads", wrapper=make_grads),
     Patch(torch.nn.Module, "__call__", wrapper=module_call),
     Patch(importlib.import_module("torch.nn.utils.clip_grad"), "clip_grad_norm_", wrapper=clip_grad_norm),
     Patch(torch.nn.utils, "clip_grad_norm_", wrapper=clip_grad_norm),
