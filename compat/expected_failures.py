@@ -47,10 +47,6 @@ COMPLEX32 = "JAX has no complex32 dtype (torch.chalf), so no bridge tensor can h
 COMPLEX_REAL_PART = (
     "bug in the aten.complex mapping: complex(real, imag) returns imag + 0j (complex(1., 2.) gives 2+0j)"
 )
-IN_PLACE_VIEW = (
-    "runtime: in-place ops are derived by writing the functional result back into the tensor, so "
-    "in-place view ops cannot change its shape ({op})"
-)
 ZERO_GRADIENT_ON_CPU = (
     "runtime: torch's autograd formula or engine makes this zero gradient with {op}(..., device='cpu') "
     "(the device a bridge tensor reports to C++), so the gradient comes back as a plain CPU tensor"
@@ -125,11 +121,6 @@ OPINFO = {
     "_unsafe_masked_index_put_accumulate": [
         ExpectedFailure(BOOL_ACCUMULATE.format(op="aten._unsafe_masked_index_put_accumulate"), (torch.bool,), FORWARD)
     ],
-    # ---- runtime: in-place ops that change a tensor's shape
-    "quantile": [ExpectedFailure(IN_PLACE_VIEW.format(op="torch.quantile squeezes its result with aten.squeeze_"), F32_F64)],
-    "nanquantile": [ExpectedFailure(IN_PLACE_VIEW.format(op="torch.nanquantile squeezes its result with aten.squeeze_"), F32_F64)],
-    "stft": [ExpectedFailure(IN_PLACE_VIEW.format(op="torch.stft transposes its result with aten.transpose_"))],
-    "resize_": [ExpectedFailure(IN_PLACE_VIEW.format(op="aten.resize_"), phases=FORWARD)],
     # ---- runtime: factories that reach torch's real CUDA backend
     "empty_permuted": [
         ExpectedFailure(

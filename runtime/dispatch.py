@@ -247,7 +247,9 @@ def _make_plan(func):
         rung = stats.MAPPED
     else:
         functional = _functional_counterpart(func)
-        if functional is not None and _writes_self(schema):
+        if functional is not None and _changes_shape_in_place(func):
+            plan, rung = _inplace_view_plan(func, functional), stats.DERIVED
+        elif functional is not None and _writes_self(schema):
             plan, rung = _inplace_plan(func, functional), stats.DERIVED
         elif functional is not None and _out_arguments(schema):
             plan, rung = _out_plan(func, functional), stats.DERIVED
@@ -511,6 +513,40 @@ def _inplace_plan(func, functional):
         if returns == 0:
             return None
         return args[0]
+
+    return run
+
+
+def _changes_shape_in_place(func):
+    """squeeze_, unsqueeze_, transpose_, t_, as_strided_, resize_...: ops that give the tensor
+    itself new sizes rather than new contents."""
+    return torch.Tag.inplace_view in func.tags or func in (aten.resize_.default, aten.resize_as_.default)
+
+
+def _inplace_view_plan(func, functional):
+    """`x.squeeze_()`: `x` becomes what `x.squeeze()` would be, as in torch.
+
+    A view keeps its root and takes the functional view's chain, so writes still reach the
+    root. A root takes the new value (views made of it before the change keep reading the
+    old layout's chain, which no longer applies: torch scripts rarely do this).
+    `resize_` is not a view in torch (it reallocates), so a resized view leaves its root."""
+    is_view = torch.Tag.inplace_view in func.tags
+
+    def run(args, kwargs):
+        _precheck(func, args, kwargs)
+        target = args[0]
+        result = _run_uncounted(functional, args, kwargs)
+        value = _result_value(result, target)
+        if tuple(target.shape) != tuple(value.shape):
+            # Torch reads the sizes from the wrapper itself: give it the new ones.
+            torch._C.TensorBase.data.__set__(target, BridgeTensor(value, target._index))
+        if is_view and target._root is not None and isinstance(result, BridgeTensor):
+            target._root, target._chain = result._root, result._chain
+            target._value, target._seen = value, result._seen
+        else:
+            target._root, target._chain, target._value = None, (), value
+            target._generation += 1
+        return target
 
     return run
 
