@@ -17,8 +17,7 @@ What a program reads and writes:
 
 With autograd recording, the program is split into a forward that also returns the
 residuals of `jax.vjp`, and a backward program (settings.residuals: the products' results
-kept in the layouts XLA chose for them and the rest recomputed by the backward, all of JAX's
-residuals kept, or none); a `torch.autograd.Function`
+kept and the rest recomputed by the backward, all of JAX's residuals kept, or none); a `torch.autograd.Function`
 links them to torch's graph, with the state tensors that require grad (parameters) as its inputs, so
 `.grad` accumulates as in eager torch. Double backward (create_graph) goes through a second
 Function that differentiates the backward program with JAX.
@@ -355,7 +354,7 @@ def _build(program, options):
     def primal(diff_roots, diff_inputs, other_roots, other_inputs, key):
         return differentiable(diff_roots, diff_inputs, other_roots, other_inputs, key)
 
-    program.split = _Split(forward, settings.residuals != "recompute", options)
+    program.split = _Split(forward, options)
     program.primal = jax.jit(primal, compiler_options=options)
     program.fused = jax.jit(fused, static_argnums=5, compiler_options=options)
     program.recompute = jax.jit(recompute, compiler_options=options)
@@ -365,48 +364,15 @@ def _build(program, options):
 class _Split:
     """The forward (outputs and vjp residuals) and backward (pullback) programs of split runs.
 
-    The residuals pass from one program to the other on the device. By default an XLA
-    program's outputs are laid out row-major, so a residual XLA keeps in another layout inside
-    the program (a convolution's activations, channels last on GPUs) is transposed on the way
-    out and back on the way into the backward: on ResNet-50 that was half of the GPU's time.
-    With `keep_layouts`, the forward is compiled with its residuals in the layouts XLA chose
-    (`Layout.AUTO`) and the backward is compiled to take them as they are. XLA's CPU backend
-    chooses row-major anyway.
+    The residuals pass from one program to the other in row-major layout. Keeping them in the
+    layouts XLA chose inside the forward (`Layout.AUTO` outputs) would save ResNet-50 its
+    transposes, but with JAX 0.10 an output of such a program read wrong in the next program
+    on XLA's CPU backend (a convolution's output, also a residual), so it is not done.
     """
 
-    def __init__(self, forward, keep_layouts, options):
-        self._forward_function = forward
-        self._options = options
-        self._plain_forward = jax.jit(forward, compiler_options=options)
-        self._plain_backward = jax.jit(_pull, compiler_options=options)
-        self._keep_layouts = keep_layouts
-        self._forward = None
-        self._backwards = {}
-
-    def forward(self, *primals):
-        if self._keep_layouts and self._forward is None:
-            try:
-                from jax.experimental.layout import Format, Layout
-
-                jitted = jax.jit(
-                    self._forward_function, out_shardings=(None, None, Format(Layout.AUTO)), compiler_options=self._options
-                )
-                self._forward = jitted.lower(*primals).compile()
-            except Exception:  # noqa: BLE001 - a JAX without layout control: plain programs
-                self._keep_layouts = False
-        if not self._keep_layouts:
-            return self._plain_forward(*primals)
-        return self._forward(*primals)
-
-    def backward(self, pullback, cotangents):
-        if not self._keep_layouts:
-            return self._plain_backward(pullback, cotangents)
-        signature = tuple((value.shape, value.dtype, getattr(value, "weak_type", False)) for value in cotangents)
-        compiled = self._backwards.get(signature)
-        if compiled is None:
-            jitted = jax.jit(_pull, in_shardings=(self._forward.output_formats[2], None), compiler_options=self._options)
-            compiled = self._backwards[signature] = jitted.lower(pullback, cotangents).compile()
-        return compiled(pullback, cotangents)
+    def __init__(self, forward, options):
+        self.forward = jax.jit(forward, compiler_options=options)
+        self.backward = jax.jit(_pull, compiler_options=options)
 
 
 def _pull(pullback, cotangents):

@@ -23,7 +23,7 @@ class Settings:
         # Split runs (a region whose outputs get gradients from outside it), what the forward
         # program keeps for the backward: "matmuls" (the results of matmuls and convolutions;
         # the backward recomputes the rest), "all" (every residual of jax.vjp) or "recompute"
-        # (nothing; the backward runs the forward again). Kept values stay in XLA's layouts.
+        # (nothing; the backward runs the forward again).
         self.residuals = os.environ.get("BRIDGE_RESIDUALS", "matmuls")
         # The name scripts see for bridge devices.
         self.device_type = "cuda"

@@ -118,6 +118,28 @@ def test_fused_backward_of_the_implicit_ones_and_of_other_gradients(captured):
     assert program.speculate == 1
 
 
+def test_chained_regions_pass_outputs_on_as_torch_does(captured):
+    """Children captured one by one (the parent has a hook, so it runs its own Python): each
+    region's output, residual of its backward too, feeds the next region. A layout-changing
+    forward once made a convolution's output read wrong in the next program."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(
+        torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Conv2d(4, 8, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(8 * 36, 5)
+    )
+    model = copy.deepcopy(reference).cuda()
+    for net in (reference, model):
+        net[1].register_forward_hook(lambda module, args, output: None)
+    images = torch.randn(4, 1, 10, 10)
+    expected = reference(images)
+    expected.square().sum().backward()
+    actual = model(images.cuda())
+    actual.square().sum().backward()
+    torch.testing.assert_close(actual.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-6)
+    assert {record.region for record in capture.compiles} >= {"Conv2d (train)", "Linear (train)"}
+
+
 def capture_regions(module):
     from bridge.patches import capture as patches
 
