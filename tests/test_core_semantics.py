@@ -235,3 +235,25 @@ def test_streams_and_events_for_timing(bridged):
         assert torch.ones(1, device="cuda").item() == 1.0
     assert torch.accelerator.current_accelerator().type == "cuda"
     assert torch.accelerator.device_count() == torch.cuda.device_count()
+
+
+def test_factories_with_a_host_device_make_host_tensors(bridged):
+    """`device="cpu"` wins over a bridge tensor argument, as in torch with a CUDA tensor."""
+    x = torch.randn(3, 2, device="cuda")
+    cases = {
+        "zeros_like": torch.zeros_like(x, device="cpu"),
+        "ones_like float64": torch.ones_like(x, device="cpu", dtype=torch.float64),
+        "full_like": torch.full_like(x, 2.5, device="cpu"),
+        "as_tensor": torch.as_tensor(x, device="cpu"),
+        "tensor": torch.tensor(x.detach(), device="cpu"),
+    }
+    for name, result in cases.items():
+        assert type(result) is torch.Tensor and result.device.type == "cpu", name
+    torch.testing.assert_close(cases["as_tensor"], x.cpu())
+    torch.testing.assert_close(cases["tensor"], x.cpu())
+    torch.testing.assert_close(cases["full_like"], torch.full((3, 2), 2.5))
+    assert cases["ones_like float64"].dtype == torch.float64 and bool((cases["ones_like float64"] == 1).all())
+    torch.manual_seed(3)
+    drawn = torch.rand_like(x, device="cpu")
+    torch.manual_seed(3)
+    torch.testing.assert_close(drawn, torch.rand(3, 2))  # the host generator, as torch draws it

@@ -118,8 +118,23 @@ def _factory(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     index = devices.bridge_index(device)
     if index is None:
+        if args and isinstance(args[0], BridgeTensor):
+            return _make_on_host(wrapped, args, kwargs)
         return wrapped(*args, **kwargs)
     return _make_on_bridge(wrapped, args, kwargs, index)
+
+
+def _make_on_host(function, args, kwargs):
+    """A factory given a bridge tensor and a host `device=` (`torch.zeros_like(x, device="cpu")`,
+    `torch.tensor(x, device="cpu")`): torch makes a host tensor, so the bridge tensor enters as
+    its host copy (a `_like` factory reads only its shape and dtype, and draws from the host's
+    generator, as torch does)."""
+    first = args[0]
+    if function.__name__.endswith("_like"):
+        first = torch.empty(first.shape, dtype=kwargs.get("dtype") or first.dtype, device="cpu")
+    else:
+        first = first.detach().cpu() if not first.requires_grad else first.cpu()
+    return function(first, *args[1:], **kwargs)
 
 
 def _make_on_bridge(function, args, kwargs, index):
