@@ -16,11 +16,12 @@ What a program reads and writes:
 - the RNG key, so random ops draw fresh numbers on every replay.
 
 With autograd recording, the program is split into a forward that also returns the
-residuals of `jax.vjp`, and a backward program (settings.residuals: the products' results
-kept and the rest recomputed by the backward, all of JAX's residuals kept, or none); a `torch.autograd.Function`
-links them to torch's graph, with the state tensors that require grad (parameters) as its inputs, so
-`.grad` accumulates as in eager torch. Double backward (create_graph) goes through a second
-Function that differentiates the backward program with JAX.
+residuals of `jax.vjp` (settings.residuals: the results of matmuls and convolutions, the
+backward recomputing the rest; all of JAX's residuals; or none), and a backward program; a
+`torch.autograd.Function` links them to torch's graph, with the state tensors that require
+grad (parameters) as its inputs, so `.grad` accumulates as in eager torch. Double backward
+(create_graph) goes through a second Function that differentiates the backward program with
+JAX.
 
 A region whose trace fails (data-dependent Python control flow, `.item()`, an op with no
 traceable mapping) is a graph break: it is recorded with the user's line and the reason,
@@ -171,7 +172,8 @@ class Program:
     grad: bool  # built for autograd (split forward/backward)
     diff_roots: list = None  # positions in roots differentiated
     diff_inputs: list = None  # positions in tensor leaves differentiated
-    split: object = None  # _Split: forward with vjp residuals, and backward
+    forward: object = None  # jitted: outputs and vjp residuals (split runs)
+    backward: object = None  # jitted: the pullback (split runs)
     primal: object = None  # jitted: the differentiable body's outputs only
     infer: object = None  # jitted, no autograd
     out_spec: object = None
@@ -354,25 +356,15 @@ def _build(program, options):
     def primal(diff_roots, diff_inputs, other_roots, other_inputs, key):
         return differentiable(diff_roots, diff_inputs, other_roots, other_inputs, key)
 
-    program.split = _Split(forward, options)
+    # The residuals pass to the backward row-major. Returning them in the layouts XLA chose
+    # (`Layout.AUTO` outputs) would spare ResNet-50 its NCHW/NHWC transposes, but with JAX 0.10
+    # a convolution's output of such a program read wrong in the next program on XLA's CPU.
+    program.forward = jax.jit(forward, compiler_options=options)
+    program.backward = jax.jit(_pull, compiler_options=options)
     program.primal = jax.jit(primal, compiler_options=options)
     program.fused = jax.jit(fused, static_argnums=5, compiler_options=options)
     program.recompute = jax.jit(recompute, compiler_options=options)
     program.differentiable = differentiable
-
-
-class _Split:
-    """The forward (outputs and vjp residuals) and backward (pullback) programs of split runs.
-
-    The residuals pass from one program to the other in row-major layout. Keeping them in the
-    layouts XLA chose inside the forward (`Layout.AUTO` outputs) would save ResNet-50 its
-    transposes, but with JAX 0.10 an output of such a program read wrong in the next program
-    on XLA's CPU backend (a convolution's output, also a residual), so it is not done.
-    """
-
-    def __init__(self, forward, options):
-        self.forward = jax.jit(forward, compiler_options=options)
-        self.backward = jax.jit(_pull, compiler_options=options)
 
 
 def _pull(pullback, cotangents):
@@ -451,7 +443,7 @@ class _RegionFunction(torch.autograd.Function):
         elif settings.residuals == "recompute":
             floats, (others, mutated, written, new_key) = program.primal(*primals)
         else:
-            floats, (others, mutated, written, new_key), ctx.pullback = program.split.forward(*primals)
+            floats, (others, mutated, written, new_key), ctx.pullback = program.forward(*primals)
         _write_back(program, state["inputs"], mutated, written, new_key)
         floats, others = iter(floats), iter(others)
         arrays = [next(floats) if is_float else next(others) for is_float in program.out_float]
@@ -495,7 +487,7 @@ class _RegionFunction(torch.autograd.Function):
             if ctx.pullback is None:  # residuals="recompute": the backward runs the forward again
                 d_roots, d_inputs = program.recompute(ctx.primals, cotangents)
             else:
-                d_roots, d_inputs = program.split.backward(ctx.pullback, cotangents)
+                d_roots, d_inputs = program.backward(ctx.pullback, cotangents)
             if len(given) == 1 and ctx.float_avals[given[0]][0] == () and program.speculate is None:
                 program.speculate = given[0]
         return (None, None, *[BridgeTensor(value, index) for value in list(d_roots) + list(d_inputs)])
@@ -508,7 +500,9 @@ def mark_ones(tensor):
 
 def _is_ones(tensor):
     # Still as made: an in-place write (a hook editing the gradient) bumps the generation.
-    return isinstance(tensor, BridgeTensor) and not tensor._chain and getattr(tensor, "_ones_at", None) == tensor._generation
+    if not isinstance(tensor, BridgeTensor) or tensor._chain:
+        return False
+    return getattr(tensor, "_ones_at", None) == tensor._generation
 
 
 def _gradient(grad, shape, dtype, index):
