@@ -5,6 +5,7 @@ indexing) can only run eagerly: their entries read the mask on the host.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +94,8 @@ def _single_mask_position(indices, values, ndim):
 
 @register_mapping(aten.index_put.default, aten.index_put.hacked_twin, aten._unsafe_index_put.default, aten._unsafe_index_put.hacked_twin)
 def index_put(self, indices, values, accumulate=False):
+    if accumulate and self.dtype == jnp.bool_:
+        return _as_logical_or(index_put)(self, indices, values, accumulate)
     values = values.astype(self.dtype)
     # `x[mask] = value` is common in training code: keep it traceable.
     position = _single_mask_position(indices, values, self.ndim)
@@ -121,6 +124,16 @@ def unsafe_masked_index_put_accumulate(self, mask, indices, values):
 # ---------------------------------------------------------------- index_* ops along one dim
 
 
+def _as_logical_or(accumulate):
+    """A bool accumulation as torch does it (a logical or): the sum in int32, then nonzero."""
+
+    def run(self, *args, **kwargs):
+        args = [argument.astype(jnp.int32) if getattr(argument, "dtype", None) == jnp.bool_ else argument for argument in args]
+        return accumulate(self.astype(jnp.int32), *args, **kwargs) != 0
+
+    return run
+
+
 def _along(dim, index):
     return (slice(None),) * dim + (index.reshape(-1),)
 
@@ -141,6 +154,8 @@ def _as_source(source, self, dim):
 
 @register_mapping(aten.index_add.default)
 def index_add(self, dim, index, source, *, alpha=1):
+    if self.dtype == jnp.bool_:
+        return _as_logical_or(index_add)(self, dim, index, source, alpha=int(alpha))
     if self.ndim == 0:
         return self + source.astype(self.dtype) * alpha
     dim = wrap_dim(dim, self.ndim)
@@ -190,10 +205,13 @@ def _scatter_source(src, index, dtype):
 
 
 def _scalar_dims(function):
-    """Run a scatter body on a 0-dim self (whose index and src are 0-dim too) as on 1-element tensors."""
+    """Run a scatter body on a 0-dim self (whose index and src are 0-dim too) as on 1-element tensors;
+    an empty index (of any rank, as torch accepts) writes nothing."""
 
     @functools.wraps(function)
     def body(self, dim, index, src, *args, **kwargs):
+        if index.size == 0:
+            return self
         if self.ndim != 0:
             return function(self, dim, index, src, *args, **kwargs)
         src = src.reshape(1) if hasattr(src, "reshape") else src
@@ -204,6 +222,9 @@ def _scalar_dims(function):
 
 @register_mapping(aten.gather.default)
 def gather(self, dim, index, *, sparse_grad=False):
+    if index.size == 0:
+        # torch accepts an empty index of any rank and reads nothing.
+        return jnp.zeros(index.shape, dtype=self.dtype)
     if self.ndim == 0:
         return self.reshape(index.shape)
     dim = wrap_dim(dim, self.ndim)
@@ -226,6 +247,8 @@ def scatter_reduce_legacy(self, dim, index, src, *, reduce):
     positions = self.at[_scatter_key(index, dim)]
     src = _scatter_source(src, index, self.dtype)
     if reduce == "add":
+        if self.dtype == jnp.bool_:
+            return _as_logical_or(lambda target: target.at[_scatter_key(index, dim)].add(src.astype(jnp.int32)))(self)
         return positions.add(src)
     if reduce == "multiply":
         return positions.multiply(src)
@@ -331,9 +354,11 @@ def nonzero(self):
 
 @register_mapping(aten.nonzero_static.default)
 def nonzero_static(self, *, size, fill_value=-1):
-    positions = jnp.nonzero(self.reshape(-1) if self.ndim == 0 else self, size=size, fill_value=fill_value)
     if self.ndim == 0:
         return jnp.zeros((size, 0), dtype=_INDEX_DTYPE)
+    if self.size == 0:
+        return jnp.full((size, self.ndim), fill_value, dtype=_INDEX_DTYPE)
+    positions = jnp.nonzero(self, size=size, fill_value=fill_value)
     return jnp.stack(positions, axis=1).astype(_INDEX_DTYPE)
 
 
@@ -346,7 +371,7 @@ def where(condition):
 @register_mapping(aten.masked_select.default)
 def masked_select(self, mask):
     # Data-dependent shape: eager only.
-    shape = jnp.broadcast_shapes(self.shape, mask.shape)
+    shape = jnp.broadcast_shapes(self.shape, mask.shape) or (1,)  # a 0-dim pair selects as one element
     return jnp.broadcast_to(self, shape)[_nonzero(jnp.broadcast_to(mask, shape))]
 
 
@@ -565,8 +590,10 @@ def _search(sorted_sequence, values, side, out_int32):
     else:
         # One search per leading position: the sequences' leading dims match the values'.
         leading = sorted_sequence.shape[:-1]
-        flat_sequences = sorted_sequence.reshape(-1, sorted_sequence.shape[-1])
-        flat_values = values.reshape(flat_sequences.shape[0], -1)
+        # Sizes spelled out: reshape cannot infer a -1 when a dim is empty.
+        rows = math.prod(leading)
+        flat_sequences = sorted_sequence.reshape(rows, sorted_sequence.shape[-1])
+        flat_values = values.reshape(rows, math.prod(values.shape[len(leading) :]))
         result = jax.vmap(lambda sequence, row: jnp.searchsorted(sequence, row, side=side))(flat_sequences, flat_values)
         result = result.reshape(leading + values.shape[len(leading) :])
     return result.astype(jnp.int32 if out_int32 else _INDEX_DTYPE)
@@ -633,7 +660,8 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
         rows = self.reshape(-1, 1)
     else:
         dim = wrap_dim(dim, self.ndim)
-        rows = jnp.moveaxis(self, dim, 0).reshape(self.shape[dim], -1)
+        others = math.prod(self.shape[:dim] + self.shape[dim + 1 :])  # not -1: dims may be empty
+        rows = jnp.moveaxis(self, dim, 0).reshape(self.shape[dim], others)
     starts = jnp.concatenate([jnp.ones((min(rows.shape[0], 1),), dtype=jnp.bool_), jnp.any(rows[1:] != rows[:-1], axis=1)])
     kept = _nonzero(starts)[0]
     if dim is None:

@@ -7,6 +7,7 @@ each be dispatched and compiled separately.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -200,7 +201,8 @@ def _layer_norm(input, normalized_shape, weight, bias, eps):
         out = out * weight.astype(accumulator)
     if bias is not None:
         out = out + bias.astype(accumulator)
-    return out.astype(input.dtype), mean, inverse_std
+    # As torch's CPU kernel: the statistics in the input's dtype (its meta kernel says float32).
+    return out.astype(input.dtype), mean.astype(input.dtype), inverse_std.astype(input.dtype)
 
 
 @register_mapping(aten.native_layer_norm_backward.default)
@@ -235,7 +237,8 @@ def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, 
 
 def _grouped(values, batch, group):
     """(N, C, *) as (N, group, C // group * prod(*))."""
-    return values.reshape(batch, group, -1)
+    # The last size is spelled out: reshape cannot infer a -1 when N is 0.
+    return values.reshape(batch, group, math.prod(values.shape[1:]) // group)
 
 
 @register_mapping(aten.native_group_norm.default)

@@ -248,4 +248,8 @@ def native_dropout(input, p, train, *, key):
 
 @register_mapping(aten.native_dropout_backward)
 def native_dropout_backward(grad_output, mask, scale):
-    return (grad_output * mask * scale).astype(grad_output.dtype)
+    # torch computes (grad * mask) * scale: an integral or bool gradient becomes the default float.
+    masked = grad_output * mask.astype(grad_output.dtype)
+    if not jnp.issubdtype(grad_output.dtype, jnp.inexact):
+        masked = masked.astype(_default_float())
+    return (masked * scale).astype(masked.dtype)

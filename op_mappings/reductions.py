@@ -96,7 +96,30 @@ def logcumsumexp(self, dim):
     values = self.astype(_accumulator(self.dtype))
     if self.ndim == 0:
         return self
+    if jnp.issubdtype(self.dtype, jnp.complexfloating):
+        return _complex_logcumsumexp(self, dim % self.ndim)
     return jax.lax.cumlogsumexp(values, axis=dim % self.ndim).astype(self.dtype)
+
+
+def _complex_logcumsumexp(self, dim):
+    """torch's sequential scan (in complex128): each step keeps the larger real part's imaginary
+    part and adds a principal angle, so the result's imaginary part is not wrapped to (-pi, pi]."""
+
+    def log_add_exp(total, value):
+        is_nan = lambda number: jnp.isnan(number.real) | jnp.isnan(number.imag)
+        value_smaller = value.real < total.real
+        low = jnp.where(is_nan(total), total, jnp.where(is_nan(value), value, jnp.where(value_smaller, value, total)))
+        high = jnp.where(is_nan(total), total, jnp.where(is_nan(value), value, jnp.where(value_smaller, total, value)))
+        both_infinite = ~jnp.isfinite(low.real) & (low.real == high.real)
+        result = jnp.log1p(jnp.exp(low - high)) + high
+        result = jnp.where(both_infinite, jnp.where(low.real < 0, low, jnp.log(jnp.exp(low) + jnp.exp(high))), result)
+        result = jnp.where(is_nan(low), jnp.asarray(complex(jnp.nan, jnp.nan), result.dtype), result)
+        return result, result
+
+    moved = jnp.moveaxis(self.astype(jnp.complex128), dim, 0)
+    start = jnp.full(moved.shape[1:], -jnp.inf, dtype=jnp.complex128)
+    _, scanned = lax.scan(log_add_exp, start, moved)
+    return jnp.moveaxis(scanned, 0, dim).astype(self.dtype)
 
 
 @register_mapping(aten.logsumexp.default)
@@ -486,13 +509,15 @@ def _torch_linspace(start, end, steps, dtype):
     return jnp.where(index < steps // 2, from_start, from_end)
 
 
-def _bin_positions(values, edges, local_search):
+def _bin_positions(values, edges, local_search, rounded=lambda value: value):
     """torch's bin of each value (-1 outside the edges): linear interpolation between the outer
-    edges, corrected against the neighbouring edges for histogram (not for histc)."""
+    edges, corrected against the neighbouring edges for histogram (not for histc). `rounded`
+    rounds each step as torch's kernel does in the input's dtype."""
     count = edges.shape[0]
     left, right = edges[0], edges[-1]
     inside = (values >= left) & (values <= right)
-    position = ((values - left) * (count - 1) / (right - left)).astype(jnp.int64)
+    scaled = rounded(rounded(values - left) * (count - 1))
+    position = rounded(scaled / rounded(right - left)).astype(jnp.int64)
     position = jnp.clip(position, 0, count - 1)
     if local_search:
         low = jnp.maximum(position - 1, 0)
@@ -505,8 +530,17 @@ def _bin_positions(values, edges, local_search):
     return jnp.where(inside, position, -1)
 
 
+def _rounding_to(dtype):
+    """Rounds a float32 to `dtype`'s precision and range, and stays float32 (reduce_precision,
+    unlike a pair of converts, is never simplified away by XLA)."""
+    info = jnp.finfo(dtype)
+    return lambda value: lax.reduce_precision(value, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
 def _outer_edges(values, low, high, widen):
     """The outer edges: the given range, else the data's; an empty range widened by `widen` each side."""
+    if (low is None or low == high) and values.size == 0:
+        return jnp.zeros((), values.dtype), jnp.ones((), values.dtype)  # torch's edges for no data
     if low is None or low == high:
         low, high = jnp.min(values), jnp.max(values)
     else:
@@ -527,8 +561,10 @@ def histc(self, bins=100, min=0, max=0):
     values = self.reshape(-1)
     compute = _accumulator(self.dtype)
     low, high = _outer_edges(values.astype(compute), min, max, 1)
-    edges = _torch_linspace(low, high, bins + 1, compute)
-    positions = _bin_positions(values.astype(compute), edges, local_search=False)
+    # torch's kernel computes in the input's dtype: bfloat16/float16 round after every step.
+    edges = _torch_linspace(low, high, bins + 1, self.dtype).astype(compute)
+    rounded = _rounding_to(self.dtype) if compute != self.dtype else (lambda value: value)
+    positions = _bin_positions(values.astype(compute), edges, local_search=False, rounded=rounded)
     return _count_bins(positions, bins, None, compute).astype(self.dtype)
 
 
