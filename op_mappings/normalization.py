@@ -201,8 +201,7 @@ def _layer_norm(input, normalized_shape, weight, bias, eps):
         out = out * weight.astype(accumulator)
     if bias is not None:
         out = out + bias.astype(accumulator)
-    # As torch's CPU kernel: the statistics in the input's dtype (its meta kernel says float32).
-    return out.astype(input.dtype), mean.astype(input.dtype), inverse_std.astype(input.dtype)
+    return out.astype(input.dtype), mean, inverse_std
 
 
 @register_mapping(aten.native_layer_norm_backward.default)

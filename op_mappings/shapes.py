@@ -392,7 +392,20 @@ def constant_pad_nd(self, pad, value=0):
 
 @register_mapping(aten.reflection_pad1d.default, aten.reflection_pad2d.default, aten.reflection_pad3d.default)
 def reflection_pad(self, padding):
-    return jnp.pad(self, _pad_widths(self.ndim, padding), mode="reflect")
+    widths = _pad_widths(self.ndim, padding)
+    if all(before >= 0 and after >= 0 for before, after in widths):
+        return jnp.pad(self, widths, mode="reflect")
+    # Negative widths crop, as in torch, which jnp.pad refuses: torch's own index formula.
+    out = self
+    for axis, (before, after) in enumerate(widths):
+        if before or after:
+            size = self.shape[axis]
+            position = np.arange(size + before + after)
+            source = np.where(position < before, 2 * before - position, position)
+            source = np.where(position >= size + before, 2 * (size + before - 1) - position, source)
+            source = source - max(0, before) + max(0, -before)
+            out = jnp.take(out, source, axis=axis)
+    return out
 
 
 @register_mapping(aten.replication_pad1d.default, aten.replication_pad2d.default, aten.replication_pad3d.default)
