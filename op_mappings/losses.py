@@ -129,7 +129,9 @@ def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, to
     grad = grad_output.astype(accumulator)
     if reduction == _MEAN:
         grad = grad / total_weight.astype(accumulator)
-    per_element = -element_weight * grad
+    # Ignored targets get no gradient, as in torch's kernel, which skips them: with every target
+    # ignored, total_weight is 0 and 0 * (grad / 0) would be nan.
+    per_element = jnp.where(target == ignore_index, jnp.zeros((), dtype=accumulator), -element_weight * grad)
     one_hot = jax.nn.one_hot(safe_target, self.shape[class_axis], dtype=accumulator, axis=class_axis)
     return (one_hot * jnp.expand_dims(per_element, class_axis)).astype(self.dtype)
 
