@@ -210,7 +210,6 @@ OPINFO = {
             kinds=("rounding",),
         )
     ],
-    "logcumsumexp": [ExpectedFailure(ILL_CONDITIONED.format(error="2e-3"), (torch.float32,), BACKWARD, kinds=("rounding",))],
     "nn.functional.embedding_bag": [
         ExpectedFailure(
             "rounding: the float16 sample with max_norm and per_sample_weights; the bridge renormalizes and sums in "

@@ -93,7 +93,9 @@ def cumprod(self, dim, *, dtype=None):
 
 @register_mapping(aten.logcumsumexp.default)
 def logcumsumexp(self, dim):
-    values = self.astype(_accumulator(self.dtype))
+    # torch's CPU kernel accumulates float32 in float64 (acc_type), and its backward is built on it.
+    accumulator = jnp.float64 if self.dtype == jnp.float32 else _accumulator(self.dtype)
+    values = self.astype(accumulator)
     if self.ndim == 0:
         return self
     if jnp.issubdtype(self.dtype, jnp.complexfloating):
