@@ -604,6 +604,42 @@ def histogram(self, bins=100, *, range=None, weight=None, density=False):
     return hist, edges[0]
 
 
+@register_mapping(aten._histogramdd_from_bin_tensors.default)
+def histogramdd_from_bin_tensors(self, bins, *, weight=None, density=False):
+    """The histogram of the rows of `self` over given edges per dimension: torch's binary search
+    (a value on the last edge falls in the last bin; values outside the edges are dropped)."""
+    dims = self.shape[-1]
+    points = self.reshape(-1, dims)
+    flat, stride = jnp.zeros(points.shape[0], jnp.int64), 1
+    inside = jnp.ones(points.shape[0], bool)
+    for dim in reversed(_range(dims)):
+        edges = bins[dim]
+        count = edges.shape[0]
+        values = points[:, dim].astype(edges.dtype)
+        positions = jnp.searchsorted(edges, values, side="right") - 1
+        positions = jnp.where(positions == count - 1, positions - 1, positions)
+        inside = inside & (values >= edges[0]) & (values <= edges[-1])
+        flat = flat + positions.astype(jnp.int64) * stride
+        stride *= count - 1
+    sizes = tuple(edges.shape[0] - 1 for edges in bins)
+    weights = None if weight is None else weight.reshape(-1)
+    hist = _count_bins(jnp.where(inside, flat, -1), stride, weights, self.dtype).reshape(sizes)
+    if density:
+        total = jnp.sum(hist)
+        for dim, edges in enumerate(bins):
+            shape = [1] * dims
+            shape[dim] = sizes[dim]
+            hist = hist / (edges[1:] - edges[:-1]).astype(self.dtype).reshape(shape)
+        hist = hist / total
+    return hist
+
+
+@register_mapping(aten.histogram.bins_tensor)
+def histogram_bins_tensor(self, bins, *, weight=None, density=False):
+    weights = None if weight is None else weight.reshape(-1)
+    return histogramdd_from_bin_tensors(self.reshape(-1, 1), [bins], weight=weights, density=density), bins
+
+
 @register_mapping(aten._histogramdd_bin_edges.default)
 def histogramdd_bin_edges(self, bins, *, range=None, weight=None, density=False):
     return _histogramdd(self, bins, range, weight, density)[0]
