@@ -40,6 +40,32 @@ def test_inplace_through_chain_of_views(bridged):
     _same(cpu, gpu)
 
 
+def test_inplace_view_ops_change_the_tensors_shape(bridged):
+    # squeeze_/unsqueeze_/t_/resize_ give the tensor new sizes; on a view, writes still reach the base.
+    cpu, gpu = _pair(torch.arange(12.0).reshape(3, 4))
+    results = []
+    for x in (cpu, gpu):
+        view = x[1:]
+        view.t_()
+        view.mul_(3)
+        row = (x[:1] * 2).squeeze_(0)
+        column = (x[:, 0] + 1).unsqueeze_(1)
+        resized = x.clone().resize_(2, 3)
+        results.append((view, row, column, resized))
+    for cpu_result, bridge_result in zip(*results):
+        _same(cpu_result, bridge_result)
+    _same(cpu, gpu)
+
+
+def test_inplace_squeeze_keeps_autograd_shapes(bridged):
+    cpu, gpu = _pair(torch.randn(5))
+    weight_cpu, weight_gpu = _pair(torch.randn(5, 4))
+    for x, weight in ((cpu, weight_cpu), (gpu, weight_gpu)):
+        x.requires_grad_(True)
+        torch.matmul(x, weight).sum().backward()  # 1-d matmul ends in aten.squeeze_
+    _same(cpu.grad, gpu.grad)
+
+
 def test_views_see_later_writes_to_base(bridged):
     cpu, gpu = _pair(torch.zeros(4, 4))
     views = []

@@ -439,3 +439,24 @@ def test_data_dependent_ops_through_bridge(bridged):
     for expected, actual in zip(torch.unique(value, return_inverse=True, return_counts=True), torch.unique(bridged_value, return_inverse=True, return_counts=True)):
         torch.testing.assert_close(bridge_to_torch(actual), expected)
     torch.testing.assert_close(bridge_to_torch(F.one_hot(bridged_value.flatten(), 4)), F.one_hot(value.flatten(), 4))
+
+
+def test_empty_and_zero_dim_samples():
+    values = sample((5,))
+    check(aten.gather.default, values, 0, torch.zeros(2, 0, dtype=torch.int64))  # an empty index of another rank
+    check(aten.scatter_add.default, values, 0, torch.zeros(2, 0, dtype=torch.int64), torch.zeros(2, 0))
+    check(aten.masked_select.default, torch.tensor(3.0), torch.tensor(True), eager=True)
+    check(aten.nonzero_static.default, torch.zeros(5, 0, 5), size=3)
+    empty = torch.zeros(0, 0, 0)
+    check(aten.searchsorted.Tensor, empty, empty, right=True)
+    check(aten.unique_consecutive.default, torch.zeros(5, 0, 5), dim=1, eager=True)
+
+
+def test_bool_accumulation_is_a_logical_or():
+    target = torch.tensor([True, False, False, True, False])
+    source = torch.tensor([False, True, False, False])
+    index = torch.tensor([0, 1, 1, 4])
+    check(aten.index_add.default, target, 0, index, source)
+    check(aten.index_add.default, target, 0, index, source, alpha=False)
+    check(aten.index_put.default, target, [index], source, True)
+    check(aten.scatter.reduce, target, 0, index, source, reduce="add")

@@ -503,3 +503,13 @@ def test_batch_norm_running_stats_through_bridge(bridged):
     model.eval()
     bridged_model.eval()
     torch.testing.assert_close(bridged_model(inputs[0].to("cuda")).cpu(), model(inputs[0]), atol=1e-5, rtol=1e-4)
+
+
+def test_group_norm_of_an_empty_batch():
+    check(aten.native_group_norm.default, torch.zeros(0, 2), torch.ones(2), torch.zeros(2), 0, 2, 1, 2, 1e-5)
+
+
+def test_dropout_backward_of_a_bool_gradient_is_float():
+    gradient = torch.tensor([True, True, False, True])
+    mask = torch.tensor([True, False, True, True])
+    check(aten.native_dropout_backward.default, gradient, mask, 2.0)

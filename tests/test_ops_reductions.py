@@ -343,3 +343,10 @@ def test_adam_foreach_through_bridge(bridged, decoupled, amsgrad):
         _compare_optimizer(step)
     finally:
         bridged.set_mode(previous)
+
+
+def test_logcumsumexp_of_complex_follows_torchs_scan():
+    # torch's sequential scan does not wrap the imaginary part to (-pi, pi].
+    values = sample((5, 5, 5), torch.complex64, low=-3, high=3)
+    check(aten.logcumsumexp.default, values, 1)
+    check(aten.logcumsumexp.default, values, 0)

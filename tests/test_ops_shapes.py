@@ -333,3 +333,9 @@ def test_in_place_writes_through_views(bridged):
         return x
 
     through_bridge(write, sample((2, 3, 4)))
+
+
+def test_reflection_pad_with_negative_widths_crops():
+    values = sample((1, 3, 4, 4))
+    check(aten.reflection_pad2d.default, values, [-1, 1, -2, 1])
+    check(aten.reflection_pad1d.default, sample((2, 5)), [2, -3])

@@ -123,6 +123,17 @@ def test_histograms():
     points = values.reshape(20, 3)
     check(aten._histogramdd_bin_edges.default, points, [3, 4, 2])
     check(aten._histogramdd_from_bin_cts.default, points, [3, 4, 2])
+    edges = [torch.tensor([-2.0, -0.5, 0.0, 1.5]), torch.tensor([-1.0, 1.0]), torch.tensor([-3.0, 0.0, 0.5, 3.0])]
+    check(aten._histogramdd_from_bin_tensors.default, points, edges, weight=torch.rand(20), density=True)
+    check(aten.histogram.bins_tensor, values, torch.tensor([-1.0, 0.0, 0.25, 2.0]))
+    check(aten.histc.default, values.to(torch.bfloat16), 30, -2, 2)  # each step rounded in bfloat16, as torch
+
+
+def test_histograms_of_no_data():
+    empty = torch.zeros(5, 0, 5)
+    check(aten.histc.default, empty, 3)
+    check(aten.histogram.bin_ct, empty, 3)
+    check(aten._histogramdd_bin_edges.default, empty, [2, 3, 1, 1, 2])
 
 
 def test_bincount_reads_its_size_once():
