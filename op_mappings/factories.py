@@ -7,6 +7,7 @@ Layout, device and memory-format arguments are accepted and ignored: the runtime
 import math
 
 import jax.numpy as jnp
+from jax import lax
 import torch
 
 from runtime import dtypes
@@ -141,11 +142,29 @@ def _linspace_values(start, end, steps, result, compute):
     end = jnp.asarray(end).astype(result).astype(compute)
     if steps == 1:
         return jnp.reshape(start, (1,))
+    rounded = _each_op_rounded(compute)
+    if rounded is not None:
+        start, end = start.astype(jnp.float32), end.astype(jnp.float32)
+    else:
+        rounded = lambda value: value  # noqa: E731
+    arithmetic = start.dtype
     position = jnp.arange(steps, dtype=jnp.int64)
-    step = (end - start) / jnp.asarray(steps - 1, dtype=compute)
-    from_start = start + step * position.astype(compute)
-    from_end = end - step * (steps - 1 - position).astype(compute)
-    return jnp.where(position < steps // 2, from_start, from_end)
+    step = rounded(rounded(end - start) / jnp.asarray(steps - 1, dtype=arithmetic))
+    from_start = rounded(start + rounded(step * position.astype(arithmetic)))
+    from_end = rounded(end - rounded(step * (steps - 1 - position).astype(arithmetic)))
+    return jnp.where(position < steps // 2, from_start, from_end).astype(compute)
+
+
+def _each_op_rounded(compute):
+    """For float16/bfloat16: a function rounding a float32 value to that format. torch's kernel
+    rounds after each operation; XLA fuses 16-bit arithmetic in float32 and would round once
+    (linspace(-2., 50., 50, dtype=float16) differs in 18 of 50 values), so the arithmetic runs in
+    float32 with an explicit rounding after each step."""
+    if compute == jnp.float16:
+        return lambda value: lax.reduce_precision(value, exponent_bits=5, mantissa_bits=10)
+    if compute == jnp.bfloat16:
+        return lambda value: lax.reduce_precision(value, exponent_bits=8, mantissa_bits=7)
+    return None
 
 
 @register_mapping(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor)
@@ -158,6 +177,12 @@ def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_mem
 def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
     result = jnp_dtype(dtype, _default_float())
     # torch raises base to exponents computed in double.
+    if steps == 1:
+        # torch fills base ** start with start read in double, not first rounded to the result
+        # dtype (logspace(4.3, 4, 1, dtype=bfloat16) is 10 ** 4.3 rounded once, not 10 ** 4.3125).
+        wide = jnp.complex128 if jnp.issubdtype(result, jnp.complexfloating) else jnp.float64
+        exponents = jnp.reshape(jnp.asarray(start).astype(wide), (1,))
+        return jnp.power(jnp.asarray(base, dtype=wide), exponents).astype(result)
     exponents = _linspace_values(start, end, steps, result, jnp.dtype(jnp.float64))
     return jnp.power(jnp.asarray(base, dtype=jnp.float64), exponents).astype(result)
 
