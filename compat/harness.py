@@ -61,12 +61,49 @@ def _on_alarm(signum, frame):
     raise SampleTimeout()
 
 
+class Deadline:
+    """An entry's time budget: `seconds` from now, extended by `per_sample` for each sample that
+    completes, so that an entry with many samples (max_pool2d has over a thousand per dtype) may
+    run them all while a hang still trips within the allowance it has left."""
+
+    def __init__(self, seconds, per_sample=0.0):
+        self.at = time.perf_counter() + seconds
+        self.per_sample = per_sample
+
+    def left(self):
+        return self.at - time.perf_counter()
+
+    def passed(self):
+        return self.left() <= 0
+
+    def sample_done(self, limit=None):
+        """Credit one completed sample; re-arm `limit` (a time_limit) to the new deadline."""
+        if self.per_sample:
+            self.at += self.per_sample
+            if limit is not None:
+                limit.rearm(self.left())
+
+
+_heartbeat = []
+
+
+def alive():
+    """Tell a parent sweep process that this one still makes progress (its idle timeout guards
+    against hangs; a long entry reports after each phase)."""
+    for beat in _heartbeat:
+        beat()
+
+
 class time_limit:
     """Interrupt the body with SampleTimeout after `seconds` (main thread only; no-op elsewhere)."""
 
     def __init__(self, seconds):
         self.seconds = seconds
         self.previous = None
+
+    def rearm(self, seconds):
+        if self.seconds is not None:
+            signal.setitimer(signal.ITIMER_REAL, max(seconds, 0.001))
 
     def __enter__(self):
         if self.seconds is None:
@@ -168,6 +205,24 @@ def bridge_kwargs(kwargs):
     if "device" in kwargs and _is_cpu_device(kwargs["device"]):
         kwargs = dict(kwargs, device=BRIDGE_DEVICE)
     return kwargs
+
+
+def placement(tree):
+    """The default device a sample's call runs under: the bridge device for a sample with neither a
+    tensor nor a `device=` argument (`torch.arange(2)`), which only the default device can move, as
+    `torch.set_default_device("cuda")` moves a script's; else no change."""
+    import contextlib
+
+    has_device = False
+
+    def visit(value):
+        nonlocal has_device
+        has_device = has_device or isinstance(value, (torch.Tensor, torch.device))
+
+    pytree.tree_map(visit, tree)
+    if has_device or (isinstance(tree, tuple) and len(tree) == 3 and isinstance(tree[2], dict) and "device" in tree[2]):
+        return contextlib.nullcontext()
+    return torch.device(BRIDGE_DEVICE)
 
 
 class NotOnBridge(AssertionError):
@@ -475,6 +530,7 @@ def sweep_main(module, argv=None):
             write({"event": "record", **record.to_json()})
         write({"event": "done", "entry": module.display_name(entry), "seconds": round(seconds, 3), "ops": ops or {}})
 
+    _heartbeat.append(lambda: write({"event": "alive"}))
     records, _, seconds, over_budget = module.sweep(
         only=only, exact=exact, quick=options.quick, progress=finished, starting=starting, planned=planned
     )

@@ -16,6 +16,10 @@ DTYPES = (torch.float32, torch.float64)
 MODES = ("train", "eval")
 QUICK_BUDGET = 30.0
 FULL_BUDGET = 180.0
+# In full mode each completed input adds this much to its module's budget (nn.Transformer has 64
+# inputs per dtype and mode at about 2.5 s each, most of it compiling, more on a loaded machine),
+# so that the budget scales with the module's input count while an input that hangs still trips it.
+FULL_SECONDS_PER_INPUT = 10.0
 SEED = 1234
 OTHER_SEED = 4321
 
@@ -331,7 +335,7 @@ def planned_records(info, dtypes=DTYPES):
 def run_entry(info, quick=False, budget=None, dtypes=DTYPES):
     """Records of one module: forward and backward per dtype, in train and eval mode."""
     budget = budget if budget is not None else (QUICK_BUDGET if quick else FULL_BUDGET)
-    deadline = time.perf_counter() + budget
+    deadline = harness.Deadline(budget, per_sample=0.0 if quick else FULL_SECONDS_PER_INPUT)
     records = []
     ops = {}
     for training in (True, False):
@@ -339,6 +343,7 @@ def run_entry(info, quick=False, budget=None, dtypes=DTYPES):
             if dtype not in info.dtypes:
                 continue
             records.extend(_run_dtype(info, dtype, training, quick, deadline, ops))
+            harness.alive()
     return records, ops
 
 
@@ -354,17 +359,18 @@ def _run_dtype(info, dtype, training, quick, deadline, ops):
         reason, _ = database_verdict(info, dtype, phase, training)
         if reason is not None:
             skipped[phase] = reason
-    if time.perf_counter() >= deadline:
+    if deadline.passed():
         timed_out = True
     elif len(skipped) < 2:
         torch.manual_seed(0)
         try:
-            with harness.time_limit(deadline - time.perf_counter()):
+            with harness.time_limit(deadline.left()) as limit:
                 inputs = info.module_inputs_func(info, device="cpu", dtype=dtype, requires_grad=True, training=training)
                 for module_input in inputs:
                     if module_input.forward_input is None:
                         continue
                     result = _run_sample(info, module_input, dtype, training)
+                    deadline.sample_done(limit)
                     if result is None:
                         continue
                     for op, (rung, clean) in result.pop("ops").items():

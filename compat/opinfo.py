@@ -26,6 +26,10 @@ GRAD_DTYPES = (torch.float32, torch.float64)
 # Per-entry time budgets (seconds) for all its dtypes and both phases together.
 QUICK_BUDGET = 30.0
 FULL_BUDGET = 180.0
+# In full mode each completed sample adds this much to its entry's budget: the budget scales with
+# the entry's sample count (max_pool2d has 1,440 samples per dtype at 0.07-0.2 s each, more on a
+# loaded machine), while a sample that hangs still trips the budget left to it.
+FULL_SECONDS_PER_SAMPLE = 0.5
 # Samples whose torch reference raises are passed over; quick mode tries this many for one that runs.
 QUICK_ATTEMPTS = 4
 
@@ -257,9 +261,11 @@ def _forward_sample(op, sample, dtype, mode):
     def run(arguments, seed=SEED):
         moved_input, moved_args, moved_kwargs, _ = arguments
         function = harness.patched(op.op)
-        return _seeded(
-            seed, lambda: harness.to_cpu(sample.output_process_fn_grad(function(moved_input, *moved_args, **moved_kwargs)))
-        )
+        with harness.placement((moved_input, moved_args, moved_kwargs)):
+            return _seeded(
+                seed,
+                lambda: harness.to_cpu(sample.output_process_fn_grad(function(moved_input, *moved_args, **moved_kwargs))),
+            )
 
     outcome = _Outcome(random=mode in ("random", "uninitialized"))
     counting = harness.Counting()
@@ -546,7 +552,7 @@ def _run_phase(op, dtype, phase, quick, deadline, ops_seen):
         record.status, record.detail = harness.OPINFO_SKIP, skip_reason
         return record
     listed = expected_failures.lookup(expected_failures.OPINFO, name, dtype, phase, quick)
-    if time.perf_counter() >= deadline:
+    if deadline.passed():
         record.status, record.detail = harness.TIMEOUT, "the entry's time budget was spent before this dtype ran"
         return record
     failure = None
@@ -555,7 +561,7 @@ def _run_phase(op, dtype, phase, quick, deadline, ops_seen):
     attempts = 0
     torch.manual_seed(0)  # the same samples run to run, whatever ran before
     try:
-        with harness.time_limit(deadline - time.perf_counter()):
+        with harness.time_limit(deadline.left()) as limit:
             samples = op.sample_inputs("cpu", dtype, requires_grad=(phase == BACKWARD))
             for sample in samples:
                 attempts += 1
@@ -563,6 +569,7 @@ def _run_phase(op, dtype, phase, quick, deadline, ops_seen):
                     outcome = _forward_sample(op, sample, dtype, mode)
                 else:
                     outcome = _backward_sample(op, sample, dtype, mode)
+                deadline.sample_done(limit)
                 if outcome.counted:
                     record.samples += 1
                     record.random = record.random or outcome.random
@@ -620,18 +627,20 @@ def run_entry(op, quick=False, budget=None, dtypes=DTYPES):
     """Records of one OpInfo entry (forward per supported dtype, backward in float32/float64),
     and the ATen ops it dispatched ({op: rung}) per phase."""
     budget = budget if budget is not None else (QUICK_BUDGET if quick else FULL_BUDGET)
-    deadline = time.perf_counter() + budget
+    deadline = harness.Deadline(budget, per_sample=0.0 if quick else FULL_SECONDS_PER_SAMPLE)
     records = []
     ops = {FORWARD: {}, BACKWARD: {}}
     supported = op.supported_dtypes("cpu")
     for dtype in dtypes:
         if dtype in supported:
             records.append(_run_phase(op, dtype, FORWARD, quick, deadline, ops[FORWARD]))
+            harness.alive()
     if op.supports_autograd:
         backward_supported = op.supported_backward_dtypes("cpu")
         for dtype in GRAD_DTYPES:
             if dtype in backward_supported and dtype in dtypes:
                 records.append(_run_phase(op, dtype, BACKWARD, quick, deadline, ops[BACKWARD]))
+                harness.alive()
     return records, ops
 
 
