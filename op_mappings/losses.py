@@ -112,7 +112,10 @@ def _nll_forward(self, target, weight, reduction, ignore_index):
     class_axis, safe_target, element_weight = _nll_parts(self, target, weight, ignore_index)
     accumulator = element_weight.dtype
     picked = jnp.take_along_axis(self, jnp.expand_dims(safe_target, class_axis), axis=class_axis)
-    losses = -jnp.squeeze(picked, class_axis).astype(accumulator) * element_weight
+    # A select, not the product by a zero weight alone: when this body is differentiated (a captured
+    # region's backward is its vjp), ignored targets must get a zero gradient, not 0 * (grad / 0).
+    ignored = target == ignore_index
+    losses = jnp.where(ignored, jnp.zeros((), dtype=accumulator), -jnp.squeeze(picked, class_axis).astype(accumulator) * element_weight)
     if reduction == _NONE:
         return losses.astype(self.dtype), jnp.zeros((), dtype=self.dtype)
     total_weight = jnp.sum(element_weight)
