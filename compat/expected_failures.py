@@ -118,9 +118,6 @@ OPINFO = {
     "scatter_add": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.scatter_add"), (torch.bool,), FORWARD)],
     "scatter_reduce.sum": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.scatter_reduce.two"), (torch.bool,), FORWARD)],
     "scatter_reduce.prod": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.scatter_reduce.two"), (torch.bool,), FORWARD)],
-    "_unsafe_masked_index_put_accumulate": [
-        ExpectedFailure(BOOL_ACCUMULATE.format(op="aten._unsafe_masked_index_put_accumulate"), (torch.bool,), FORWARD)
-    ],
     # ---- runtime: factories that reach torch's real CUDA backend
     "empty_permuted": [
         ExpectedFailure(
