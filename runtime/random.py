@@ -64,9 +64,15 @@ def generator_key(generator):
     A region being captured cannot take the draw (it happens on the host, once, and a replay
     would repeat its numbers): the region runs eagerly instead.
     """
+    refuse_host_draw_in_trace("a random op")
+    seed_value = torch.empty((), dtype=torch.int64, device="cpu").random_(generator=generator).item()
+    return jax.random.key(seed_value)
+
+
+def refuse_host_draw_in_trace(what):
+    """Inside a region being captured, a draw from a torch.Generator (on the host, once) would
+    enter the program as a constant and repeat on every replay: the region runs eagerly instead."""
     if settings.tracing:
         from .capture import GraphBreak
 
-        raise GraphBreak("a random op draws from a torch.Generator passed to it (its state lives on the host)")
-    seed_value = torch.empty((), dtype=torch.int64, device="cpu").random_(generator=generator).item()
-    return jax.random.key(seed_value)
+        raise GraphBreak(f"{what} draws from a torch.Generator passed to it (its state lives on the host)")

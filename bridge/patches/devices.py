@@ -14,8 +14,7 @@ from torch.nn.parameter import UninitializedTensorMixin, is_lazy
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime import devices
-from runtime.capture import GraphBreak
+from runtime import devices, random
 from runtime.config import settings
 from runtime.dispatch import dispatch
 from runtime.tensor import BridgeTensor, to_bridge, to_bridge_autograd
@@ -148,10 +147,8 @@ def _make_on_bridge(function, args, kwargs, index):
         with _DrawOnBridge():
             result = function(*args, **kwargs)
     else:
-        if kwargs.get("generator") is not None and settings.tracing:
-            raise GraphBreak(
-                f"torch.{function.__name__} draws from a torch.Generator passed to it (its state lives on the host)"
-            )
+        if kwargs.get("generator") is not None:
+            random.refuse_host_draw_in_trace(f"torch.{function.__name__}")
         # Drawn on the host with the script's generator: the numbers torch gives for its seed.
         result = function(*args, **kwargs)
     if not isinstance(result, BridgeTensor):
