@@ -88,15 +88,28 @@ def gpt_setup(device, config, batch):
     return model, optimizer, (x, y)
 
 
-def gpt_step(model, optimizer, data, bf16):
+def _no_mark(phase):
+    pass
+
+
+def gpt_step(model, optimizer, data, bf16, mark=_no_mark):
+    """One training step. `mark(phase)` is called as each phase ends (host time per phase:
+    benchmarks/profile_step.py --phases)."""
     x, y = data
     with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
         _, loss = model(x, y)
+    mark("forward")
     optimizer.zero_grad(set_to_none=True)
+    mark("zero_grad")
     loss.backward()
+    mark("backward")
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    mark("clip")
     optimizer.step()
-    return loss.item()
+    mark("optimizer")
+    value = loss.item()
+    mark("item")
+    return value
 
 
 def resnet_setup(device, batch, size=224, tiny=False):
@@ -110,11 +123,17 @@ def resnet_setup(device, batch, size=224, tiny=False):
     return model, optimizer, (x, y)
 
 
-def resnet_step(model, optimizer, data, bf16):
+def resnet_step(model, optimizer, data, bf16, mark=_no_mark):
     x, y = data
     with torch.autocast("cuda", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext():
         loss = F.cross_entropy(model(x), y)
+    mark("forward")
     optimizer.zero_grad(set_to_none=True)
+    mark("zero_grad")
     loss.backward()
+    mark("backward")
     optimizer.step()
-    return loss.item()
+    mark("optimizer")
+    value = loss.item()
+    mark("item")
+    return value

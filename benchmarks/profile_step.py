@@ -7,6 +7,10 @@ a few steps under a profiler (jax.profiler's Perfetto trace for JAX-backed cases
 for torch cases). Writes <out>/<case>.txt: wall time per step, GPU busy time per step (the union
 of kernel intervals), the XLA programs run per step, and the kernels by total time, each also
 summed into a family (matmul, attention, convolution, fusion, copy/transpose, reduction, other).
+
+`--phases`: no profiler; the host's time in each phase of the step (forward, zero_grad,
+backward, clip, optimizer, and `loss.item()`, where the host waits for the device), median
+over the measured steps. A step whose `item` phase is near zero is bound by the host.
 """
 
 import argparse
@@ -139,12 +143,40 @@ def _torch_profile(step, warmup, steps):
     return wall_ms, kernels
 
 
-def worker(spec, warmup, steps, out, tiny):
+def _phases(step, warmup, steps):
+    """Median host milliseconds per phase of the step, and of the whole step."""
+    for _ in range(warmup):
+        step()
+    samples = collections.defaultdict(list)
+    for _ in range(steps):
+        last = start = time.perf_counter()
+
+        def mark(phase):
+            nonlocal last
+            now = time.perf_counter()
+            samples[phase].append((now - last) * 1e3)
+            last = now
+
+        step(mark)
+        samples["step"].append((time.perf_counter() - start) * 1e3)
+    return {phase: sorted(values)[len(values) // 2] for phase, values in samples.items()}
+
+
+def worker(spec, warmup, steps, out, tiny, phases=False):
     sys.path.insert(0, HERE)
     import run
 
     workload, precision, case = spec.split(":")
     step, kind = run.setup(workload, precision, case, tiny)
+    if phases:
+        medians = _phases(step, warmup, steps)
+        text = f"# {spec}: host ms per phase (median of {steps} steps)\n" + "".join(
+            f"{phase:>10} {value:8.2f}\n" for phase, value in medians.items()
+        )
+        with open(os.path.join(out, spec.replace(":", "_") + ".phases.txt"), "w") as handle:
+            handle.write(text)
+        print(text, flush=True)
+        return
     if kind == "torch":
         wall_ms, kernels = _torch_profile(step, warmup, steps)
         text = _report(spec, wall_ms, steps, kernels)
@@ -171,17 +203,20 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--out", default=os.path.join(HERE, "results", "profiles"))
     parser.add_argument("--timeout", type=int, default=400)
+    parser.add_argument("--phases", action="store_true", help="host time per phase of the step, no profiler")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     os.makedirs(options.out, exist_ok=True)
     if options.worker:
-        worker(options.worker, options.warmup, options.steps, options.out, options.tiny)
+        worker(options.worker, options.warmup, options.steps, options.out, options.tiny, options.phases)
         return 0
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for spec in options.cases:
         command = [sys.executable, __file__, "--worker", spec, "--warmup", str(options.warmup), "--steps", str(options.steps), "--out", options.out]
         if options.tiny:
             command.append("--tiny")
+        if options.phases:
+            command.append("--phases")
         print(f"== {spec}", flush=True)
         try:
             done = subprocess.run(command, timeout=options.timeout, env=env, capture_output=True, text=True)

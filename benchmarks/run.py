@@ -102,8 +102,8 @@ def setup(workload, precision, case, tiny):
     if case == "torch-compile":
         model = torch.compile(model)
 
-    def step():
-        return train(model, optimizer, data, bf16)
+    def step(mark=models._no_mark):
+        return train(model, optimizer, data, bf16, mark)
 
     return step, kind
 

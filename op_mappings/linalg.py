@@ -13,6 +13,7 @@ from runtime import config
 from runtime.registry import aten, jnp_dtype, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_FLOAT32 = jnp.dtype(jnp.float32)
 
 
 def _accumulator(dtype):
@@ -23,7 +24,7 @@ def _product(subscripts, left, right, out_dtype=None):
     """einsum in the accumulation dtype of the operands, rounded to `out_dtype` (default: the operands')."""
     out_dtype = left.dtype if out_dtype is None else out_dtype
     if config.settings.tracing and left.dtype in _LOW_PRECISION and left.dtype == right.dtype:
-        return _half_einsum(subscripts, left, right, config.matmul_precision()).astype(out_dtype)
+        return _half_einsum(subscripts, left, right, config.matmul_precision(), jnp.dtype(out_dtype))
     product = jnp.einsum(
         subscripts,
         left,
@@ -34,20 +35,25 @@ def _product(subscripts, left, right, out_dtype=None):
     return product.astype(out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3))
-def _half_einsum(subscripts, left, right, precision):
-    """A half-precision product accumulated and returned in float32 (as torch's kernels do),
-    whose gradient products run in half precision as torch's backward does: differentiated
-    as written, they would take the float32 cotangent and run in float32 (used in captured
-    regions, where JAX differentiates the tables)."""
-    return jnp.einsum(subscripts, left, right, precision=precision, preferred_element_type=jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 3, 4))
+def _half_einsum(subscripts, left, right, precision, out_dtype):
+    """A half-precision product accumulated in float32 (as torch's kernels do) and returned in
+    `out_dtype`, whose gradient products run in half precision as torch's backward does:
+    differentiated as written, they would take the float32 cotangent and run in float32 (used
+    in captured regions, where JAX differentiates the tables). Returned in the operands' own
+    dtype, the product is one GEMM writing half precision, rounded once as torch's is: a
+    float32 result and a separate rounding cost GPT-2's vocabulary projection a pass over
+    its 0.4 G logits."""
+    if out_dtype == left.dtype:
+        return jnp.einsum(subscripts, left, right, precision=precision)
+    return jnp.einsum(subscripts, left, right, precision=precision, preferred_element_type=jnp.float32).astype(out_dtype)
 
 
-def _half_einsum_forward(subscripts, left, right, precision):
-    return _half_einsum(subscripts, left, right, precision), (left, right)
+def _half_einsum_forward(subscripts, left, right, precision, out_dtype):
+    return _half_einsum(subscripts, left, right, precision, out_dtype), (left, right)
 
 
-def _half_einsum_backward(subscripts, precision, saved, cotangent):
+def _half_einsum_backward(subscripts, precision, out_dtype, saved, cotangent):
     left, right = saved
     _, pullback = jax.vjp(lambda a, b: jnp.einsum(subscripts, a, b, precision=precision), left, right)
     return pullback(cotangent.astype(left.dtype))
@@ -118,7 +124,7 @@ def outer(self, vec2):
 
 def _addmm(self, mat1, mat2, beta, alpha, out_dtype):
     if config.settings.tracing and mat1.dtype in _LOW_PRECISION and mat1.dtype == mat2.dtype:
-        return _fused_add(self, _half_einsum("ij,jk->ik", mat1, mat2, config.matmul_precision()), beta, alpha, out_dtype)
+        return _fused_add(self, _half_einsum("ij,jk->ik", mat1, mat2, config.matmul_precision(), _FLOAT32), beta, alpha, out_dtype)
     product = jnp.einsum(
         "ij,jk->ik", mat1, mat2, precision=config.matmul_precision(), preferred_element_type=_accumulator(mat1.dtype)
     )

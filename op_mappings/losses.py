@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from runtime import dtypes
+from runtime import config, dtypes
 from runtime.registry import TolerantNamespace, aten, jnp_dtype, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -106,16 +106,29 @@ def _nll_parts(self, target, weight, ignore_index):
     return class_axis, safe_target, element_weight
 
 
+def _pick(self, safe_target, class_axis, by_mask):
+    """Each row's entry at its target class. `by_mask`: as a masked sum over the classes, whose
+    derivative is a select that fuses into the log-softmax backward; a gather's derivative is
+    a scatter into a materialized zero tensor of the log-probabilities' size (in a captured
+    GPT-2 step, three extra passes over its 0.4 G logits). One entry plus zeros: the sum is
+    exact."""
+    if by_mask:
+        classes = lax.broadcasted_iota(safe_target.dtype, self.shape, class_axis)
+        chosen = classes == jnp.expand_dims(safe_target, class_axis)
+        return jnp.sum(jnp.where(chosen, self, jnp.zeros((), self.dtype)), axis=class_axis)
+    return jnp.squeeze(jnp.take_along_axis(self, jnp.expand_dims(safe_target, class_axis), axis=class_axis), class_axis)
+
+
 # The nll bodies run a dozen primitives: compiled as one program, they dispatch (and compile) once.
-@functools.partial(jax.jit, static_argnames=("reduction", "ignore_index"))
-def _nll_forward(self, target, weight, reduction, ignore_index):
+@functools.partial(jax.jit, static_argnames=("reduction", "ignore_index", "by_mask"))
+def _nll_forward(self, target, weight, reduction, ignore_index, by_mask=False):
     class_axis, safe_target, element_weight = _nll_parts(self, target, weight, ignore_index)
     accumulator = element_weight.dtype
-    picked = jnp.take_along_axis(self, jnp.expand_dims(safe_target, class_axis), axis=class_axis)
+    picked = _pick(self, safe_target, class_axis, by_mask and self.ndim >= 2)
     # A select, not the product by a zero weight alone: when this body is differentiated (a captured
     # region's backward is its vjp), ignored targets must get a zero gradient, not 0 * (grad / 0).
     ignored = target == ignore_index
-    losses = jnp.where(ignored, jnp.zeros((), dtype=accumulator), -jnp.squeeze(picked, class_axis).astype(accumulator) * element_weight)
+    losses = jnp.where(ignored, jnp.zeros((), dtype=accumulator), -picked.astype(accumulator) * element_weight)
     if reduction == _NONE:
         return losses.astype(self.dtype), jnp.zeros((), dtype=self.dtype)
     total_weight = jnp.sum(element_weight)
@@ -141,7 +154,8 @@ def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, to
 
 @register_mapping(aten.nll_loss_forward.default)
 def nll_loss_forward(self, target, weight, reduction, ignore_index):
-    return _nll_forward(self, target, weight, reduction, ignore_index)
+    # Traced (a captured region), JAX differentiates this body: the masked pick.
+    return _nll_forward(self, target, weight, reduction, ignore_index, by_mask=bool(config.settings.tracing))
 
 
 @register_mapping(aten.nll_loss_backward.default)
@@ -151,7 +165,7 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
 
 @register_mapping(aten.nll_loss2d_forward.default)
 def nll_loss2d_forward(self, target, weight, reduction, ignore_index):
-    return _nll_forward(self, target, weight, reduction, ignore_index)
+    return _nll_forward(self, target, weight, reduction, ignore_index, by_mask=bool(config.settings.tracing))
 
 
 @register_mapping(aten.nll_loss2d_backward.default)

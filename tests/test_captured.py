@@ -352,3 +352,67 @@ def test_two_captured_calls_in_one_autocast_block(captured):
     assert len({loss.item() for loss in losses}) == 1
     assert not capture.breaks
     assert len(_regions("WithLoss")) == 1
+
+
+class LossOf(torch.nn.Module):
+    """Logits from a linear layer, then one of cross_entropy's forms (the captured program
+    differentiates the nll pick as a masked sum; see op_mappings/losses._pick)."""
+
+    def __init__(self, loss):
+        super().__init__()
+        self.proj = torch.nn.Linear(6, 5)
+        self.loss = loss
+
+    def forward(self, x, y):
+        return self.loss(self.proj(x).movedim(-1, 1), y)
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        lambda z, y: F.cross_entropy(z, y),
+        lambda z, y: F.cross_entropy(z, y, weight=torch.linspace(0.5, 2.0, 5, device=z.device), reduction="sum"),
+        lambda z, y: F.cross_entropy(z, y, ignore_index=2, label_smoothing=0.1),
+        lambda z, y: F.nll_loss(F.log_softmax(z, 1), y, reduction="none").sum(),
+    ],
+    ids=["mean", "weighted-sum", "ignore-smoothing", "nll-none"],
+)
+@pytest.mark.parametrize("shape", [(8, 6), (2, 4, 6)], ids=["rows", "spatial"])
+def test_cross_entropy_forms_match_torch(captured, loss, shape):
+    torch.manual_seed(0)
+    reference, model = _pair(LossOf(loss))
+    for _ in range(2):
+        x = torch.randn(*shape)
+        y = torch.randint(0, 5, shape[:-1])
+        y.view(-1)[0] = 2  # an ignored target where ignore_index is 2
+        for net, device in ((reference, "cpu"), (model, "cuda")):
+            net.zero_grad()
+            out = net(x.to(device), y.to(device))
+            out.backward()
+            net.out = out
+        torch.testing.assert_close(model.out.cpu(), reference.out.detach(), rtol=1e-6, atol=1e-6)
+        for p_ref, p in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-7)
+    assert not capture.breaks
+
+
+def test_cross_entropy_under_bf16_autocast_matches_torch(captured):
+    """bf16 logits equal torch's bit for bit; the bf16 backward rounds differently from torch's
+    CPU autocast kernels, so gradients are held to torch's own error against float64."""
+    torch.manual_seed(0)
+    reference, model = _pair(WithLoss())
+    exact = copy.deepcopy(reference).double()
+    x, y = torch.randn(16, 6), torch.randint(0, 3, (16,))
+    for net, device in ((reference, "cpu"), (model, "cuda")):
+        with torch.autocast(device, dtype=torch.bfloat16):
+            logits, loss = net(x.to(device), y.to(device))
+        loss.backward()
+        net.logits, net.loss = logits, loss
+    exact(x.double(), y)[1].backward()
+    assert model.logits.dtype == reference.logits.dtype == torch.bfloat16
+    torch.testing.assert_close(model.logits.cpu(), reference.logits.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(model.loss.cpu(), reference.loss.detach(), rtol=1e-6, atol=1e-6)
+    for p_ref, p, p_exact in zip(reference.parameters(), model.parameters(), exact.parameters()):
+        torch_error = (p_ref.grad.double() - p_exact.grad).abs().max()
+        bridge_error = (p.grad.cpu().double() - p_exact.grad).abs().max()
+        assert bridge_error <= torch_error * 1.01, (tuple(p.shape), bridge_error, torch_error)
