@@ -7,6 +7,7 @@ Layout, device and memory-format arguments are accepted and ignored: the runtime
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 import torch
 
@@ -218,12 +219,15 @@ def lift_fresh(self):
 @register_mapping(aten._local_scalar_dense.default)
 def local_scalar_dense(self):
     # `.item()`: a host sync by definition, so the one entry that is not traceable on purpose.
-    # torch allows it on any one-element tensor, not only 0-dim ones.
-    self = self.reshape(())
-    if self.dtype == jnp.bool_:
+    # torch allows it on any one-element tensor, not only 0-dim ones. The copy to the host
+    # waits for this value only: a device-side reshape would queue behind everything already
+    # launched (a training step's optimizer update), so `loss.item()` would return later and
+    # the next step's host work would start on an idle device.
+    self = np.asarray(self).reshape(())
+    if self.dtype == np.bool_:
         return bool(self)
-    if jnp.issubdtype(self.dtype, jnp.integer):
+    if np.issubdtype(self.dtype, np.integer):
         return int(self)
-    if jnp.issubdtype(self.dtype, jnp.complexfloating):
+    if np.issubdtype(self.dtype, np.complexfloating):
         return complex(self)
     return float(self)

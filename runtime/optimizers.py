@@ -28,12 +28,15 @@ def _lerp(start, end, weight):
     donate_argnums=(2, 3, 4),
 )
 def adam_update(
-    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, decay, step_sizes, bias2_sqrts,
+    params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, scalars,
     *, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize
 ):
     """One Adam/AdamW step over lists of arrays; returns the new (params, exp_avgs,
-    exp_avg_sqs, max_exp_avg_sqs). `decay` is 1 - lr * weight_decay; `step_sizes` and
-    `bias2_sqrts` hold -lr / (1 - beta1**step) and sqrt(1 - beta2**step) per parameter."""
+    exp_avg_sqs, max_exp_avg_sqs). `scalars` (one transfer from the host) holds
+    1 - lr * weight_decay, then -lr / (1 - beta1**step) per parameter, then
+    sqrt(1 - beta2**step) per parameter."""
+    count = len(params)
+    decay, step_sizes, bias2_sqrts = scalars[0], scalars[1 : 1 + count], scalars[1 + count :]
     new_params, new_avgs, new_sqs, new_maxes = [], [], [], []
     for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
         dtype = param.dtype
