@@ -38,4 +38,5 @@ from . import (  # noqa: F401  (imported for their registrations)
     factorizations,
     special,
     distances,
+    recurrent,
 )

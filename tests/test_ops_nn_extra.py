@@ -1,6 +1,8 @@
 """More neural-network mappings against eager torch (distances, embedding bags, losses and pooling
 ops whose backward torch's autograd reaches), and lazy modules under the bridge."""
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -243,3 +245,58 @@ def test_rrelu_with_noise_draws_and_writes_noise(bridged):
     F.rrelu(leaf, 0.1, 0.3, training=True).sum().backward()
     grad = to_torch(leaf.grad)
     assert torch.all(grad[~negative] == 1) and torch.all((grad[negative] >= 0.1) & (grad[negative] <= 0.3))
+
+
+# ---------------------------------------------------------------- recurrent layers
+
+
+@pytest.mark.parametrize("mode", ["eager", "captured"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(num_layers=2),
+        dict(num_layers=2, bidirectional=True, batch_first=True),
+        dict(bias=False),
+    ],
+)
+def test_float32_lstm_runs_its_onednn_layer_on_the_bridge(bridged, mode, options):
+    """To torch's C++ a bridge tensor is a CPU tensor, so a float32 nn.LSTM calls oneDNN's
+    mkldnn_rnn_layer (and its backward): it was unmapped, ran on the host CPU and broke the
+    capture of every module holding an LSTM."""
+    from runtime import capture, stats
+
+    previous = bridged.set_mode(mode)
+    capture.reset()
+    try:
+        torch.manual_seed(0)
+        eager = nn.LSTM(3, 4, **options)
+        moved = copy.deepcopy(eager).to("cuda")
+        x = torch.randn(5, 2, 3, requires_grad=True)
+        # An initial state of its own, but for the batch-first layer (which starts from zeros).
+        state = None
+        if not options.get("batch_first"):
+            state = tuple(torch.randn(eager.num_layers, 2, 4, requires_grad=True) for _ in range(2))
+
+        def run(module, x, state):
+            output, (h, c) = module(x) if state is None else module(x, state)
+            (output.square().sum() + 2 * h.sum() + 3 * c.square().sum()).backward()
+            return output, h, c
+
+        expected = run(eager, x, state)
+        moved_x = x.detach().to("cuda").requires_grad_()
+        moved_state = None if state is None else tuple(value.detach().to("cuda").requires_grad_() for value in state)
+        actual = run(moved, moved_x, moved_state)
+        for got, want in zip(actual, expected):
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(moved_x.grad.cpu(), x.grad, rtol=1e-5, atol=1e-5)
+        if state is not None:
+            for got, want in zip(moved_state, state):
+                torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-5)
+        for got, want in zip(moved.parameters(), eager.parameters()):
+            torch.testing.assert_close(got.grad.cpu(), want.grad, rtol=1e-5, atol=1e-5)
+        assert stats.op_rung.get(torch.ops.aten.mkldnn_rnn_layer.default) == stats.MAPPED
+        assert not capture.breaks
+        if mode == "eager":
+            assert stats.op_rung.get(torch.ops.aten.mkldnn_rnn_layer_backward.default) == stats.MAPPED
+    finally:
+        bridged.set_mode(previous)
