@@ -84,6 +84,45 @@ class Deadline:
                 limit.rearm(self.left())
 
 
+def _map_count_limit():
+    try:
+        with open("/proc/sys/vm/max_map_count", encoding="ascii") as handle:
+            return int(handle.read())
+    except (OSError, ValueError):
+        return None
+
+
+_MAP_COUNT_LIMIT = _map_count_limit()
+
+
+def release_compiled_programs():
+    """Drop JAX's compiled programs once this process holds half of the memory mappings Linux
+    allows it (vm.max_map_count, 65530 by default).
+
+    Every compiled XLA CPU program keeps its own mappings, and JAX's caches keep the programs
+    after the functions that made them are gone. A sweep compiles new captured programs for
+    every module input (a fresh module each time) that it never runs again: nn.LSTM's 128 inputs
+    left some 65,000 mappings, and the next compilation failed with "LLVM compilation error:
+    Cannot allocate memory" on a machine with gigabytes free. Programs still in use compile again.
+    """
+    if _MAP_COUNT_LIMIT is None:
+        return False
+    try:
+        with open("/proc/self/maps", "rb") as handle:
+            count = sum(1 for _ in handle)
+    except OSError:
+        return False
+    if count < _MAP_COUNT_LIMIT // 2:
+        return False
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    return True
+
+
 _heartbeat = []
 
 

@@ -371,6 +371,7 @@ def _run_dtype(info, dtype, training, quick, deadline, ops):
                         continue
                     result = _run_sample(info, module_input, dtype, training)
                     deadline.sample_done(limit)
+                    harness.release_compiled_programs()
                     if result is None:
                         continue
                     for op, (rung, clean) in result.pop("ops").items():
