@@ -36,6 +36,11 @@ class Settings:
 
 settings = Settings()
 
+# The name (jax.ad_checkpoint.checkpoint_name) of small values a mapping marks for a captured
+# region's backward to keep rather than recompute from large ones (batch statistics): split
+# runs keep matmul and convolution results and these (runtime/capture.py).
+KEEP_FOR_BACKWARD = "bridge_keep_for_backward"
+
 
 def matmul_precision():
     """The `jax.lax.Precision` matching torch's float32 matmul setting.

@@ -416,3 +416,33 @@ def test_cross_entropy_under_bf16_autocast_matches_torch(captured):
         torch_error = (p_ref.grad.double() - p_exact.grad).abs().max()
         bridge_error = (p.grad.cpu().double() - p_exact.grad).abs().max()
         assert bridge_error <= torch_error * 1.01, (tuple(p.shape), bridge_error, torch_error)
+
+
+class ConvNorm(torch.nn.Module):
+    def __init__(self, affine):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1, bias=False)
+        self.norm = torch.nn.BatchNorm2d(4, affine=affine)
+        self.head = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_batch_norm_backward_in_split_runs_matches_torch(captured, affine):
+    """A loss outside the model (split runs): the batch statistics are differentiated by
+    torch's closed form and kept for the backward instead of recomputed."""
+    torch.manual_seed(0)
+    reference, model = _pair(ConvNorm(affine))
+    for _ in range(3):
+        x, y = torch.randn(4, 3, 6, 6) * 3 + 1, torch.randint(0, 2, (4,))
+        for net, device in ((reference, "cpu"), (model, "cuda")):
+            net.zero_grad()
+            F.cross_entropy(net(x.to(device)), y.to(device)).backward()
+        for p_ref, p in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-4, atol=1e-6)
+        for b_ref, b in zip(reference.buffers(), model.buffers()):
+            torch.testing.assert_close(b.cpu(), b_ref, rtol=1e-5, atol=1e-6)
+    assert [record.reason for record in _regions("ConvNorm")] == ["first call"]
+    assert not capture.breaks
