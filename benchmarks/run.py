@@ -126,6 +126,7 @@ def worker(workload, precision, case, steps, tiny):
         "step_ms_min": min(steady) * 1e3,
         "step_ms_max": max(steady) * 1e3,
         "first_step_s": times[0],
+        "step_times_ms": [round(t * 1e3, 2) for t in times[1:]],
         "peak_memory_gib": (_peak_memory(kind) or 0) / 2**30 or None,
         "losses": [losses[0], losses[-1]],
     }
