@@ -446,3 +446,62 @@ def test_batch_norm_backward_in_split_runs_matches_torch(captured, affine):
             torch.testing.assert_close(b.cpu(), b_ref, rtol=1e-5, atol=1e-6)
     assert [record.reason for record in _regions("ConvNorm")] == ["first call"]
     assert not capture.breaks
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, amsgrad=True),
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    ],
+    ids=["adamw-amsgrad", "sgd-momentum"],
+)
+def test_flat_optimizer_state_saves_loads_and_resumes_as_torch(captured, make, tmp_path):
+    """The state tensors are views into one flat array per kind (runtime/optimizers.flat_state):
+    they read, save (loadable in plain torch), load back and take writes as separate tensors."""
+    torch.manual_seed(0)
+    reference, model = _pair(MLP())
+    opt_ref, opt = make(reference.parameters()), make(model.parameters())
+
+    def train(steps):
+        for _ in range(steps):
+            x = torch.randn(8, 6)
+            for net, optimizer, device in ((reference, opt_ref, "cpu"), (model, opt, "cuda")):
+                optimizer.zero_grad()
+                net(x.to(device)).square().mean().backward()
+                optimizer.step()
+
+    def assert_same_state():
+        state, state_ref = opt.state_dict()["state"], opt_ref.state_dict()["state"]
+        assert sorted(state) == sorted(state_ref)
+        for key in state_ref:
+            for name, value in state_ref[key].items():
+                torch.testing.assert_close(state[key][name].cpu(), value, rtol=1e-5, atol=1e-7)
+        for p_ref, p in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
+
+    train(3)
+    assert_same_state()
+    torch.save(opt.state_dict(), tmp_path / "opt.pt")
+    loaded = torch.load(tmp_path / "opt.pt", map_location="cpu")
+    fresh = make(copy.deepcopy(reference).parameters())
+    fresh.load_state_dict(loaded)  # plain torch reads the bridge's checkpoint
+    for key, values in opt_ref.state_dict()["state"].items():
+        for name, value in values.items():
+            torch.testing.assert_close(fresh.state_dict()["state"][key][name], value, rtol=1e-5, atol=1e-7)
+    # A write into one state tensor lands in that tensor only, here and in torch.
+    first = next(iter(opt.state.values()))
+    first_ref = next(iter(opt_ref.state.values()))
+    name = "exp_avg" if "exp_avg" in first else "momentum_buffer"
+    first[name].mul_(0.5)
+    first_ref[name].mul_(0.5)
+    train(2)
+    assert_same_state()
+    # Loaded back (new state tensors), then trained on.
+    opt.load_state_dict(torch.load(tmp_path / "opt.pt", map_location="cuda"))
+    opt_ref.load_state_dict(torch.load(tmp_path / "opt.pt", map_location="cpu"))
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        with torch.no_grad():
+            p_ref.copy_(p.cpu())
+    train(2)
+    assert_same_state()

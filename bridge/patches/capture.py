@@ -287,13 +287,13 @@ def adam(wrapped, instance, args, kwargs):
         + [(1 - beta2**count) ** 0.5 for count in counts],
         dtype=numpy_dtype,
     )
-    maxes = a["max_exp_avg_sqs"] if a["amsgrad"] else []
-    new_params, new_avgs, new_sqs, new_maxes = optimizers.adam_update(
+    # The moments as flat arrays: their tensors become views into them (optimizers.flat_state).
+    roots = [optimizers.flat_state(a["exp_avgs"]), optimizers.flat_state(a["exp_avg_sqs"])]
+    roots.append(optimizers.flat_state(a["max_exp_avg_sqs"]) if a["amsgrad"] else None)
+    new_params, *new_flat = optimizers.adam_update(
         [read_value(t) for t in params],
         [read_value(t) for t in a["grads"]],
-        [read_value(t) for t in a["exp_avgs"]],
-        [read_value(t) for t in a["exp_avg_sqs"]],
-        [read_value(t) for t in maxes],
+        *[None if root is None else read_value(root) for root in roots],
         scalars,
         beta1=beta1,
         beta2=beta2,
@@ -303,9 +303,11 @@ def adam(wrapped, instance, args, kwargs):
         amsgrad=bool(a["amsgrad"]),
         maximize=bool(a["maximize"]),
     )
-    for tensors, values in ((params, new_params), (a["exp_avgs"], new_avgs), (a["exp_avg_sqs"], new_sqs), (maxes, new_maxes)):
-        for tensor, value in zip(tensors, values):
-            write_value(tensor, value)
+    for tensor, value in zip(params, new_params):
+        write_value(tensor, value)
+    for root, value in zip(roots, new_flat):
+        if root is not None:
+            write_value(root, value)
     capture.fused_steps["adam"] = capture.fused_steps.get("adam", 0) + 1
     return None
 
@@ -330,10 +332,11 @@ def sgd(wrapped, instance, args, kwargs):
     if not usable:
         return wrapped(*args, **kwargs)
     momentum = float(a["momentum"])
-    new_params, new_buffers = optimizers.sgd_update(
+    root = None if first or momentum == 0 else optimizers.flat_state(buffers)
+    new_params, new_flat = optimizers.sgd_update(
         [read_value(t) for t in params],
         [read_value(t) for t in grads],
-        [] if first else [read_value(t) for t in buffers],
+        None if root is None else read_value(root),
         np.array(a["lr"], dtype=np.float32 if dtype == torch.float32 else np.float64),
         momentum=momentum,
         dampening=float(a["dampening"]),
@@ -345,11 +348,10 @@ def sgd(wrapped, instance, args, kwargs):
     for tensor, value in zip(params, new_params):
         write_value(tensor, value)
     if momentum != 0:
-        for i, value in enumerate(new_buffers):
-            if first:
-                buffers[i] = BridgeTensor(value, params[i]._index)  # torch: a copy of the gradient
-            else:
-                write_value(buffers[i], value)
+        if first:  # torch: a copy of each gradient; here views into one flat root
+            buffers[:] = optimizers.flat_members(new_flat, params)
+        else:
+            write_value(root, new_flat)
     capture.fused_steps["sgd"] = capture.fused_steps.get("sgd", 0) + 1
     return None
 
