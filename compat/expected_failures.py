@@ -249,6 +249,51 @@ MODULEINFO = {
             kinds=("rounding",),
         )
     ],
+    "nn.MultiheadAttention": [
+        ExpectedFailure(
+            "rounding: one float32 element of 27 of the in_proj_weight gradient differs from torch's by 1.1e-5 "
+            "(1e-5 allowed) on a later input; it is as close to the float64 gradient as torch's "
+            "(error against float64: bridge 7.4e-6, torch CPU 7.9e-6); train and eval alike",
+            (torch.float32,),
+            BACKWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
+    "nn.TransformerEncoder.train": [
+        ExpectedFailure(
+            "rounding: 4 float32 elements of 48 of the first parameter's gradient differ from torch's by up to "
+            "2.9e-5 (1e-5 allowed) on a later input; the bridge's gradient is closer to the float64 one than "
+            "torch's (error against float64: bridge 8.7e-6, torch CPU 2.2e-5)",
+            (torch.float32,),
+            BACKWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
+    "nn.Transformer": [
+        ExpectedFailure(
+            "rounding: 12 float32 elements of 48 of one parameter's gradient (output 9) differ from torch's by up "
+            "to 8.8e-5 (1e-5 allowed) on a later input, after six encoder and decoder layers; the bridge's "
+            "gradient is as close to the float64 one as torch's (error against float64: 4.4e-5 both); train "
+            "and eval alike",
+            (torch.float32,),
+            BACKWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
+    "nn.TransformerDecoderLayer.train": [
+        ExpectedFailure(
+            "rounding: one float32 element of 48 of one parameter's gradient (output 6) differs from torch's by "
+            "1.3e-5 (1e-5 allowed) on a later input; it is as close to the float64 gradient as torch's "
+            "(error against float64: bridge 6.2e-6, torch CPU 6.6e-6)",
+            (torch.float32,),
+            BACKWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
     "nn.ConvTranspose3d": [
         ExpectedFailure(
             "rounding: the float32 weight gradient differs from torch's by up to 7e-5 and is as close to the "
