@@ -505,3 +505,17 @@ def test_flat_optimizer_state_saves_loads_and_resumes_as_torch(captured, make, t
             p_ref.copy_(p.cpu())
     train(2)
     assert_same_state()
+
+
+def test_captured_modules_are_freed_with_their_programs(captured):
+    import gc
+    import weakref
+
+    alive = []
+    for _ in range(3):
+        model = torch.nn.Linear(4, 2).cuda()
+        model(torch.randn(3, 4).cuda()).sum().backward()
+        alive.append(weakref.ref(model))
+        del model
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None, None]

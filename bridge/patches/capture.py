@@ -87,6 +87,18 @@ class _Tree:
         self.state = state
 
 
+def _weak_call(bound):
+    """A module's bound call that does not keep the module alive: `_regions` is keyed weakly
+    by module, and a value holding its key would keep every captured module (with its
+    parameters and programs) for the life of the process."""
+    function, owner = bound.__func__, weakref.ref(bound.__self__)
+
+    def call(*args, **kwargs):
+        return function(owner(), *args, **kwargs)
+
+    return call
+
+
 class _ModuleRegion:
     """The regions of one module, one per combination of its submodules' training flags."""
 
@@ -125,7 +137,7 @@ def module_call(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     entry = _regions.get(instance)
     if entry is None:
-        entry = _regions[instance] = _ModuleRegion(instance, wrapped)
+        entry = _regions[instance] = _ModuleRegion(instance, _weak_call(wrapped))
     return entry.region(instance, tree)(*args, **kwargs)
 
 
