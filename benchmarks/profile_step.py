@@ -17,6 +17,7 @@ import argparse
 import collections
 import glob
 import gzip
+import inspect
 import json
 import os
 import shutil
@@ -144,7 +145,10 @@ def _torch_profile(step, warmup, steps):
 
 
 def _phases(step, warmup, steps):
-    """Median host milliseconds per phase of the step, and of the whole step."""
+    """Median host milliseconds per phase of the step, and of the whole step (a hand-written
+    JAX step is one call: the whole step only)."""
+    if not inspect.signature(step).parameters:
+        step = (lambda plain: lambda mark: plain())(step)
     for _ in range(warmup):
         step()
     samples = collections.defaultdict(list)
