@@ -91,7 +91,10 @@ def _weak_call(bound):
     """A module's bound call that does not keep the module alive: `_regions` is keyed weakly
     by module, and a value holding its key would keep every captured module (with its
     parameters and programs) for the life of the process."""
-    function, owner = bound.__func__, weakref.ref(bound.__self__)
+    function, owner = getattr(bound, "__func__", None), getattr(bound, "__self__", None)
+    if function is None or owner is None:
+        return bound
+    owner = weakref.ref(owner)
 
     def call(*args, **kwargs):
         return function(owner(), *args, **kwargs)
