@@ -26,10 +26,6 @@ from .tensor import BridgeTensor, read_value
 from .views import ViewStep
 
 
-def _sizes(arrays):
-    return tuple(int(array.size) for array in arrays)
-
-
 def _split(flat, like):
     """The per-parameter pieces of a flat array, shaped like `like`."""
     pieces, start = [], 0
