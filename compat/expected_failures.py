@@ -44,16 +44,9 @@ INTEGERS_AND_BOOL = (torch.int64, torch.int32, torch.bool)
 # ---- Reasons shared by several entries, each checked by hand (see the report for what the
 # sweep saw; "rounding" failures are re-judged against float64 by the sweep on every run).
 COMPLEX32 = "JAX has no complex32 dtype (torch.chalf), so no bridge tensor can hold one"
-COMPLEX_REAL_PART = (
-    "bug in the aten.complex mapping: complex(real, imag) returns imag + 0j (complex(1., 2.) gives 2+0j)"
-)
 ZERO_GRADIENT_ON_CPU = (
     "runtime: torch's autograd formula or engine makes this zero gradient with {op}(..., device='cpu') "
     "(the device a bridge tensor reports to C++), so the gradient comes back as a plain CPU tensor"
-)
-BOOL_ACCUMULATE = (
-    "bug in the {op} mapping: accumulating into a bool tensor calls jnp add/mul, which JAX refuses for "
-    "bool (torch means logical or/and)"
 )
 ROUNDING_LOW_PRECISION = (
     "rounding: results differ from torch's CPU kernel by an ulp of {dtype}, and are as close to the "
@@ -106,18 +99,7 @@ OPINFO = {
             kinds=("dtype",),
         )
     ],
-    # ---- mapping bugs
-    "complex": [
-        ExpectedFailure(COMPLEX32 + " (complex of float16 parts is complex32)", (torch.float16,), FORWARD),
-        ExpectedFailure(COMPLEX_REAL_PART, F32_F64, FORWARD),
-    ],
-    "polar": [ExpectedFailure("bug in the aten.polar mapping: polar(1., .5) gives 0.479+0j (sin(.5) as the real part)", F32_F64)],
-    "cov": [ExpectedFailure("torch's decomposition of cov ends in aten.complex(real, 0): " + COMPLEX_REAL_PART, (torch.complex64,), FORWARD)],
-    "corrcoef": [ExpectedFailure("goes through cov: " + COMPLEX_REAL_PART, (torch.complex64,), FORWARD)],
-    "put": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.put"), (torch.bool,), FORWARD)],
-    "scatter_add": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.scatter_add"), (torch.bool,), FORWARD)],
-    "scatter_reduce.sum": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.scatter_reduce.two"), (torch.bool,), FORWARD)],
-    "scatter_reduce.prod": [ExpectedFailure(BOOL_ACCUMULATE.format(op="aten.scatter_reduce.two"), (torch.bool,), FORWARD)],
+    "complex": [ExpectedFailure(COMPLEX32 + " (complex of float16 parts is complex32)", (torch.float16,), FORWARD)],
     # ---- runtime: factories that reach torch's real CUDA backend
     "empty_permuted": [
         ExpectedFailure(

@@ -259,7 +259,10 @@ def scatter_reduce_legacy(self, dim, index, src, *, reduce):
 @_scalar_dims
 def scatter_add(self, dim, index, src):
     dim = wrap_dim(dim, self.ndim)
-    return self.at[_scatter_key(index, dim)].add(_scatter_source(src, index, self.dtype))
+    positions = self.at[_scatter_key(index, dim)]
+    src = _scatter_source(src, index, self.dtype)
+    # A bool sum is a logical or: the largest of the values.
+    return positions.max(src) if self.dtype == jnp.bool_ else positions.add(src)
 
 
 def _lowest(dtype):
@@ -283,10 +286,11 @@ def scatter_reduce(self, dim, index, src, reduce, *, include_self=True):
     # Without include_self the scattered positions start from the reduction's identity.
     identity = {"sum": 0, "mean": 0, "prod": 1, "amax": _lowest(self.dtype), "amin": _highest(self.dtype)}[reduce]
     base = self if include_self else self.at[key].set(jnp.asarray(identity, dtype=self.dtype))
+    # In bool a sum is a logical or (the largest value) and a product a logical and (the smallest).
     if reduce == "sum":
-        return base.at[key].add(src)
+        return base.at[key].max(src) if self.dtype == jnp.bool_ else base.at[key].add(src)
     if reduce == "prod":
-        return base.at[key].multiply(src)
+        return base.at[key].min(src) if self.dtype == jnp.bool_ else base.at[key].multiply(src)
     if reduce == "amax":
         return base.at[key].max(src)
     if reduce == "amin":
@@ -340,7 +344,12 @@ def put(self, index, source, accumulate=False):
     flat = self.reshape(-1)
     positions = jnp.where(index < 0, index + flat.size, index).reshape(-1)
     source = source.reshape(-1).astype(self.dtype)
-    flat = flat.at[positions].add(source) if accumulate else flat.at[positions].set(source)
+    if not accumulate:
+        flat = flat.at[positions].set(source)
+    elif self.dtype == jnp.bool_:  # a bool sum is a logical or
+        flat = flat.at[positions].max(source)
+    else:
+        flat = flat.at[positions].add(source)
     return flat.reshape(self.shape)
 
 

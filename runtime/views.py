@@ -4,7 +4,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
+import torch
 
 
 def freeze(value):
@@ -45,25 +47,60 @@ class ViewStep:
 
 
 @functools.lru_cache(maxsize=4096)
-def _index_map(shape, chain):
-    """Flat root positions of every element of the view (None when the view is the whole root in order)."""
+def _index_map(shape, complex_root, chain):
+    """Where each element of the view sits in the root: flat positions (None when the view is
+    the whole root in order).
+
+    A complex root is addressed by its components: position 2k is element k's real part and
+    2k + 1 its imaginary part, and a complex element's position is the complex number
+    (real position) + i (imaginary position). So the views that change between complex and
+    real (`real`, `imag`, `view_as_real`, `view_as_complex`) move positions the way they move
+    values, and a write through `z.real` or `view_as_real(z)[..., 1]` lands on its components.
+    """
+    complex_steps = complex_root or any(step.op in _COMPLEX_VIEWS for step in chain)
     with jax.ensure_compile_time_eval():
         size = int(np.prod(shape, dtype=np.int64))
-        positions = jnp.arange(size, dtype=jnp.int64).reshape(shape)
+        if complex_root:
+            even = jnp.arange(0, 2 * size, 2, dtype=jnp.float64)
+            positions = lax.complex(even, even + 1)
+        else:
+            positions = jnp.arange(size, dtype=jnp.float64 if complex_steps else jnp.int64)
+        positions = positions.reshape(shape)
         for step in chain:
             positions = step(positions)
         positions = np.asarray(positions).reshape(-1)
-    if positions.size == size and np.array_equal(positions, np.arange(size)):
-        return None
-    return positions
+    if not complex_steps:
+        if positions.size == size and np.array_equal(positions, np.arange(size)):
+            return None
+        return positions
+    if np.iscomplexobj(positions):  # a complex view: its components, interleaved
+        positions = np.stack([positions.real, positions.imag], axis=-1).reshape(-1)
+    return positions.astype(np.int64)
+
+
+_COMPLEX_VIEWS = frozenset({torch.ops.aten.view_as_complex.default, torch.ops.aten.view_as_complex_copy.default})
 
 
 def scatter_into_root(root_value, chain, value):
     """The root's new value after `value` is written into the view that `chain` makes of it."""
-    positions = _index_map(tuple(root_value.shape), chain)
-    if value.dtype != root_value.dtype:
-        value = value.astype(root_value.dtype)
-    if positions is None:
-        return jnp.reshape(value, root_value.shape)
-    flat = jnp.ravel(root_value).at[positions].set(jnp.ravel(value))
+    complex_root = jnp.iscomplexobj(root_value)
+    positions = _index_map(tuple(root_value.shape), complex_root, chain)
+    if not complex_root and not any(step.op in _COMPLEX_VIEWS for step in chain):
+        if value.dtype != root_value.dtype:
+            value = value.astype(root_value.dtype)
+        if positions is None:
+            return jnp.reshape(value, root_value.shape)
+        flat = jnp.ravel(root_value).at[positions].set(jnp.ravel(value))
+        return flat.reshape(root_value.shape)
+    # Component-wise: the root as real numbers, the value as real numbers.
+    if complex_root:
+        parts = jnp.stack([jnp.real(root_value), jnp.imag(root_value)], axis=-1)
+    else:
+        parts = root_value
+    if jnp.iscomplexobj(value):
+        value = jnp.stack([jnp.real(value), jnp.imag(value)], axis=-1)
+    flat = jnp.ravel(parts).at[positions].set(jnp.ravel(value).astype(parts.dtype))
+    if complex_root:
+        flat = flat.reshape(-1, 2)
+        return lax.complex(flat[:, 0], flat[:, 1]).reshape(root_value.shape)
     return flat.reshape(root_value.shape)

@@ -91,6 +91,35 @@ def test_sibling_views_share_writes(bridged):
         _same(expected, actual)
 
 
+# Writes through the views between complex and real numbers land on the right components.
+COMPLEX_VIEW_WRITES = {
+    "real zero_": (lambda z: z.real.zero_(), True),
+    "imag mul_": (lambda z: z.imag.mul_(2), True),
+    "view_as_real select fill_": (lambda z: torch.view_as_real(z)[:, :, 1].fill_(7), True),
+    "transposed imag row add_": (lambda z: z.t().imag[0].add_(10), True),
+    "row real copy_": (lambda z: z[1].real.copy_(torch.tensor([9.0, 8.0])), True),
+    "complex row mul_": (lambda z: z[0].mul_(2j), True),
+    "view_as_complex mul_": (lambda x: torch.view_as_complex(x).mul_(1j), False),
+    "view_as_complex imag fill_": (lambda x: torch.view_as_complex(x)[1].imag.fill_(-1), False),
+}
+
+
+@pytest.mark.parametrize("name", COMPLEX_VIEW_WRITES)
+def test_writes_through_complex_and_real_views(bridged, name):
+    write, complex_root = COMPLEX_VIEW_WRITES[name]
+    start = torch.tensor([[1 + 2j, 3 + 4j], [5 + 6j, 7 + 8j]]) if complex_root else torch.arange(8.0).reshape(2, 2, 2)
+    cpu, gpu = _pair(start)
+    for x in (cpu, gpu):
+        write(x)
+    _same(cpu, gpu, rtol=0, atol=0)
+
+
+def test_complex_and_polar_build_complex_numbers(bridged):
+    real, imag = torch.tensor([1.0, -3.0, 0.5]), torch.tensor([2.0, 4.0, -0.25])
+    _same(torch.complex(real, imag), torch.complex(real.cuda(), imag.cuda()), rtol=0, atol=0)
+    _same(torch.polar(real.abs(), imag), torch.polar(real.abs().cuda(), imag.cuda()))
+
+
 def test_data_and_param_data_copy(bridged):
     layer = nn.Linear(3, 2)
     bridged_layer = copy.deepcopy(layer).to("cuda")

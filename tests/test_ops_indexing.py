@@ -161,6 +161,18 @@ def test_scatter_reduce(reduce):
     check(aten.scatter_reduce.two, value, 1, positions(4, (5, 3)), source, reduce, include_self=False)
 
 
+def test_bool_accumulation_is_logical():
+    # torch accumulates bools as logical or (sums) and logical and (products).
+    value, source = sample((5, 4), torch.bool), sample((6, 4), torch.bool, seed=11)
+    index = positions(5, (6, 4))
+    check(aten.scatter_add.default, value, 0, index, source)
+    for reduce in ("sum", "prod"):
+        for include_self in (True, False):
+            check(aten.scatter_reduce.two, value, 0, index, source, reduce, include_self=include_self)
+    flat_positions = positions(20, (9,))
+    check(aten.put.default, value, flat_positions, sample((9,), torch.bool, seed=3), True)
+
+
 # ---------------------------------------------------------------- masked and flat selection
 
 
