@@ -17,6 +17,7 @@ SURFACES = (
     "bridge.patches.serialization",
     "bridge.patches.amp",
     "bridge.patches.capture",
+    "bridge.patches.composites",
 )
 
 _PLATFORMS = {"auto": None, "cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}

@@ -100,21 +100,6 @@ OPINFO = {
         )
     ],
     "complex": [ExpectedFailure(COMPLEX32 + " (complex of float16 parts is complex32)", (torch.float16,), FORWARD)],
-    # ---- runtime: factories that reach torch's real CUDA backend
-    "empty_permuted": [
-        ExpectedFailure(
-            "runtime: torch.empty_permuted is not among the factories bridge/patches/devices.py routes, so "
-            "device='cuda' reaches torch's real CUDA backend",
-            phases=FORWARD,
-        )
-    ],
-    # ---- runtime: C++ code that reads a bridge tensor's (absent) CPU storage
-    "tensor_split": [
-        ExpectedFailure(
-            "runtime: aten.tensor_split.tensor_indices_or_sections is a C++ composite that reads the indices "
-            "tensor's data directly, and a bridge tensor has no CPU storage ('its data is not allocated yet')"
-        )
-    ],
     # ---- runtime: zero gradients made on the CPU by torch's autograd
     "copysign": [ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten.zeros"), F32_F64, BACKWARD, kinds=("device",))],
     "nextafter": [ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten.zeros"), F32_F64, BACKWARD, kinds=("device",))],

@@ -186,7 +186,7 @@ def activate():
 
 def _patched_namespaces():
     """Where the bridge patches functions (factories taking device=, seeding, ...)."""
-    return (torch, torch.Tensor, torch.nn.functional, torch.random, torch.cuda)
+    return (torch, torch.Tensor, torch.nn.functional, torch.random, torch.cuda, torch.linalg)
 
 
 _patched = {}  # id(original function) -> the active patched attribute

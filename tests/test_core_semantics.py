@@ -292,6 +292,39 @@ def test_streams_and_events_for_timing(bridged):
     assert torch.accelerator.device_count() == torch.cuda.device_count()
 
 
+def test_every_public_factory_taking_a_device_is_routed():
+    """Each public torch function whose ATen schema takes `device=` makes bridge tensors for
+    `device="cuda"`: a factory left out would reach torch's real CUDA backend."""
+    from bridge.patches.devices import _FACTORIES
+
+    takes_device = set()
+    for name in dir(torch.ops.aten):
+        packet = getattr(torch.ops.aten, name)
+        if name.startswith("_") or not hasattr(torch, name) or not hasattr(packet, "overloads"):
+            continue
+        if any(argument.name == "device" for overload in packet.overloads() for argument in getattr(packet, overload)._schema.arguments):
+            takes_device.add(name)
+    assert takes_device and not takes_device - set(_FACTORIES)
+
+
+def test_asarray_and_empty_permuted_on_the_bridge(bridged):
+    import numpy as np
+
+    made = {
+        "asarray list": torch.asarray([1, 2], device="cuda"),
+        "asarray numpy": torch.asarray(np.ones(2), device="cuda", dtype=torch.float32),
+        "asarray tensor": torch.asarray(torch.arange(3.0), device="cuda"),
+        "empty_permuted": torch.empty_permuted((2, 3, 4), (2, 0, 1), device="cuda"),
+    }
+    for name, tensor in made.items():
+        assert isinstance(tensor, BridgeTensor) and tensor.device.type == "cuda", name
+    _same(torch.asarray([1, 2]), made["asarray list"])
+    _same(torch.ones(2), made["asarray numpy"])
+    assert made["empty_permuted"].shape == (2, 3, 4)
+    on_bridge = torch.ones(3, device="cuda")
+    assert torch.asarray(on_bridge, device="cuda") is on_bridge  # no copy, as torch
+
+
 def test_factories_with_a_host_device_make_host_tensors(bridged):
     """`device="cpu"` wins over a bridge tensor argument, as in torch with a CUDA tensor."""
     x = torch.randn(3, 2, device="cuda")
@@ -312,3 +345,17 @@ def test_factories_with_a_host_device_make_host_tensors(bridged):
     drawn = torch.rand_like(x, device="cpu")
     torch.manual_seed(3)
     torch.testing.assert_close(drawn, torch.rand(3, 2))  # the host generator, as torch draws it
+
+
+def test_tensor_split_at_points_held_by_a_bridge_tensor(bridged):
+    # torch's C++ reads the split points' data, which a bridge tensor keeps on the device.
+    x = torch.arange(20.0).reshape(10, 2)
+    for points in (torch.tensor([2, 5]), torch.tensor(3), torch.tensor([7])):
+        for split in (lambda t, p: torch.tensor_split(t, p), lambda t, p: t.tensor_split(p, dim=0)):
+            expected = split(x, points)
+            actual = split(x.cuda(), points.cuda())
+            assert len(actual) == len(expected)
+            for got, want in zip(actual, expected):
+                _same(want, got, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="long dtype"):
+        torch.tensor_split(x.cuda(), torch.tensor([2.0]).cuda())

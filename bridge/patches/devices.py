@@ -102,7 +102,7 @@ _FACTORIES = (
     "arange", "range", "linspace", "logspace", "eye", "zeros_like", "ones_like", "empty_like",
     "full_like", "rand_like", "randn_like", "randint_like", "empty_strided", "normal", "tril_indices",
     "triu_indices", "scalar_tensor", "bartlett_window", "hann_window", "hamming_window",
-    "blackman_window", "kaiser_window",
+    "blackman_window", "kaiser_window", "empty_permuted", "asarray",
 )
 
 

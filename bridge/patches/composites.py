@@ -1,0 +1,72 @@
+"""torch functions whose C++ composite kernels the bridge cannot see into.
+
+A bridge tensor reports the `cpu` device to torch's C++ (see ARCHITECTURE.md, "Facts
+measured while planning"). Most composite kernels only call other ATen ops on their inputs,
+which reach the bridge's tables; a few build a result of their own from `input.options()`
+(`at::zeros(..., input.options())` for an empty matrix), and that result is a plain host
+tensor. The functions here put such results on the device of their bridge inputs, and
+`tensor_split` reads the split points of a bridge tensor as torch reads a host one.
+"""
+
+import torch
+from torch.utils import _pytree as pytree
+
+from runtime.tensor import BridgeTensor, to_bridge_autograd
+
+from . import Patch
+
+# Functions observed to return host tensors for bridge inputs (empty matrices): the test
+# `test_linalg_results_stay_on_the_bridge` runs every torch.linalg function on empty inputs,
+# so a composite missing here shows up there.
+_RESULTS_FROM_OPTIONS = ("norm", "matrix_norm", "matrix_rank", "cond")
+
+
+def _bridge_index(args, kwargs):
+    for value in pytree.tree_leaves((args, kwargs)):
+        if isinstance(value, BridgeTensor):
+            return value._index
+    return None
+
+
+def _results_with_inputs(wrapped, instance, args, kwargs):
+    result = wrapped(*args, **kwargs)
+    if kwargs.get("out") is not None:
+        return result
+    index = _bridge_index(args, kwargs)
+    if index is None:
+        return result
+    return pytree.tree_map_only(
+        torch.Tensor, lambda value: value if isinstance(value, BridgeTensor) else to_bridge_autograd(value, index), result
+    )
+
+
+def _split_points(value):
+    # torch reads a host tensor's split points in C++; a bridge tensor's are read here.
+    if isinstance(value, BridgeTensor):
+        if value.dim() > 1 or value.dtype != torch.long:
+            raise RuntimeError(
+                "tensor_split expected tensor_indices_or_sections to have a long dtype and be a 0-d or "
+                f"1-d tensor, got a {value.dim()}-d tensor of {value.dtype}"
+            )
+        return value.item() if value.dim() == 0 else value.tolist()
+    return value
+
+
+def _read_split_points(position):
+    """A wrapper of tensor_split whose split points are argument `position` (or a keyword)."""
+
+    def wrapper(wrapped, instance, args, kwargs):
+        if len(args) > position:
+            args = args[:position] + (_split_points(args[position]),) + args[position + 1 :]
+        kwargs = {name: _split_points(value) if name != "dim" else value for name, value in kwargs.items()}
+        return wrapped(*args, **kwargs)
+
+    return wrapper
+
+
+PATCHES = [
+    Patch(torch, "tensor_split", wrapper=_read_split_points(1)),
+    Patch(torch.Tensor, "tensor_split", wrapper=_read_split_points(0)),
+] + [
+    Patch(torch.linalg, name, wrapper=_results_with_inputs) for name in _RESULTS_FROM_OPTIONS
+]
