@@ -198,15 +198,6 @@ OPINFO = {
 
 # ModuleInfo entries ("nn.Linear", or "nn.Linear.train" for one mode) -> their expected failures.
 MODULEINFO = {
-    "nn.MultiLabelMarginLoss": [
-        ExpectedFailure(
-            "torch's CPU and meta kernels disagree: for a vector input with reduction='none' the CPU kernel of "
-            "aten.multilabel_margin_loss_forward returns a 0-dim loss, its meta kernel shape (1,); the bridge's "
-            "results are checked against the meta kernel (torch's decomposition, which the bridge no longer "
-            "uses, counted the -1 padding of the targets as class 0)",
-            quick=False,
-        )
-    ],
     "nn.LazyConvTranspose3d": [
         ExpectedFailure(
             "rounding: the same module as nn.ConvTranspose3d once materialized, with the same float32 weight "

@@ -318,9 +318,11 @@ def multilabel_margin_loss_forward(self, target, reduction):
     picked = jnp.take_along_axis(scores, safe_target, axis=1)
     hinge = jnp.maximum(1 - picked[:, :, None] + scores[:, None, :], 0)
     hinge = jnp.where(listed[:, :, None] & ~is_target[:, None, :], hinge, jnp.zeros((), accumulator))
-    # reduction 'none' gives one loss per sample, (1,) for a vector input as torch's meta kernel
-    # shapes it (its CPU kernel returns a 0-dim tensor there).
+    # reduction 'none' gives one loss per sample, and a 0-dim loss for a vector input, as torch's
+    # CPU and CUDA kernels do (its meta kernel says (1,)).
     losses = _reduce(jnp.sum(hinge, axis=(1, 2)) / classes, reduction)
+    if self.ndim <= 1:
+        losses = losses.reshape(())
     return losses.astype(self.dtype), is_target.reshape(self.shape).astype(self.dtype)
 
 

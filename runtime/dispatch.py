@@ -51,6 +51,13 @@ _META_STRICTER_THAN_KERNELS = {
     aten._grouped_mm.default,
 }
 
+# Ops whose meta kernel gives another shape than torch's CPU and CUDA kernels; the kernels are
+# the oracle. For a vector input with reduction='none', multilabel_margin_loss_forward's kernels
+# return a 0-dim loss and its meta kernel shape (1,). The meta kernel still checks the arguments.
+_META_SHAPE_DIFFERS_FROM_KERNELS = {
+    aten.multilabel_margin_loss_forward.default,
+}
+
 
 def dispatch(func, args, kwargs):
     plan = _plans.get(func)
@@ -183,7 +190,7 @@ def _compare(func, expected, actual):
         if not isinstance(want, torch.Tensor) or not isinstance(got, jax.Array):
             corrections.append(None)
             continue
-        if tuple(want.shape) != tuple(got.shape):
+        if tuple(want.shape) != tuple(got.shape) and func not in _META_SHAPE_DIFFERS_FROM_KERNELS:
             raise MappingMismatchError(
                 f"bridge mapping for {func} returned shape {tuple(got.shape)} where torch gives "
                 f"{tuple(want.shape)} (called at {user_call_site()}); this is a bug in the bridge's "

@@ -149,6 +149,10 @@ CASES = {
         lambda x, t: F.multilabel_margin_loss(x, t, reduction="sum"),
         (sample(4), torch.tensor([2, 1, -1, -1])),
     ),
+    "multilabel_margin_loss none 1-d": (  # a 0-dim loss, as torch's kernels give
+        lambda x, t: F.multilabel_margin_loss(x, t, reduction="none"),
+        (sample(4), torch.tensor([2, 1, -1, -1])),
+    ),
     "ctc_loss": (
         lambda x, t: F.ctc_loss(x.log_softmax(2), t, [8, 6, 5], [4, 2, 0]),
         (sample(8, 3, 5), integers(4, 3, 4) + 1),
