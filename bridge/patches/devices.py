@@ -15,7 +15,9 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from runtime import devices, random
+from runtime.callsite import user_call_site
 from runtime.config import settings
+from runtime.errors import DeviceError
 from runtime.dispatch import dispatch
 from runtime.tensor import BridgeTensor, to_bridge, to_bridge_autograd
 
@@ -102,7 +104,13 @@ _FACTORIES = (
     "arange", "range", "linspace", "logspace", "eye", "zeros_like", "ones_like", "empty_like",
     "full_like", "rand_like", "randn_like", "randint_like", "empty_strided", "normal", "tril_indices",
     "triu_indices", "scalar_tensor", "bartlett_window", "hann_window", "hamming_window",
-    "blackman_window", "kaiser_window", "empty_permuted", "asarray",
+    "blackman_window", "kaiser_window", "empty_permuted", "asarray", "from_file",
+)
+
+# Sparse constructors: a bridge tensor holds one dense jax.Array, so they cannot make one.
+_SPARSE_FACTORIES = (
+    "sparse_coo_tensor", "sparse_csr_tensor", "sparse_csc_tensor", "sparse_bsr_tensor", "sparse_bsc_tensor",
+    "sparse_compressed_tensor",
 )
 
 
@@ -121,6 +129,17 @@ def _factory(wrapped, instance, args, kwargs):
             return _make_on_host(wrapped, args, kwargs)
         return wrapped(*args, **kwargs)
     return _make_on_bridge(wrapped, args, kwargs, index)
+
+
+def _sparse_factory(wrapped, instance, args, kwargs):
+    device = kwargs.get("device")
+    if device is not None and devices.bridge_index(device) is not None:
+        raise DeviceError(
+            f"torch.{wrapped.__name__}(..., device={str(device)!r}) at {user_call_site()}: a bridge tensor holds "
+            f"one dense JAX array, so sparse tensors cannot live on the bridge's device. Build the sparse "
+            f"tensor on the CPU (device='cpu') and move its dense form: .to_dense().to({str(device)!r})."
+        )
+    return wrapped(*args, **kwargs)
 
 
 def _make_on_host(function, args, kwargs):
@@ -175,7 +194,9 @@ class _DrawOnBridge(TorchDispatchMode):
 def _factory_patches():
     from . import Patch
 
-    return [Patch(torch, name, wrapper=_factory) for name in _FACTORIES if hasattr(torch, name)]
+    return [Patch(torch, name, wrapper=_factory) for name in _FACTORIES if hasattr(torch, name)] + [
+        Patch(torch, name, wrapper=_sparse_factory) for name in _SPARSE_FACTORIES if hasattr(torch, name)
+    ]
 
 
 # torch.set_default_device and `with torch.device(...)`: torch builds both on
