@@ -8,6 +8,12 @@ corrections) are computed on the host in Python floats exactly as torch computes
 passed in as arrays, so a learning-rate schedule never recompiles; the remaining
 hyperparameters are part of the program's static key.
 
+A `clip_grad_norm_` just before the step is folded into it (`PendingClip`): the clip waits
+until the optimizer takes the gradients, and the update program computes the norm, the
+coefficient and the scaled gradients itself, as torch's clip does. That saves a program call
+over every gradient per step. Anything else that reads a waiting gradient, or the returned
+norm, runs the clip first, so every value a script can see is the clipped one.
+
 The optimizer state (Adam's moments, SGD's momentum buffers) lives in one flat array per
 kind, and each parameter's state tensor is a view into it (`flat_state`): the update program
 then takes and returns two arrays instead of two per parameter. Each array crossing a program
@@ -17,6 +23,7 @@ parameters, per-parameter state made the update's call cost about as much as its
 
 import functools
 import math
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +91,112 @@ def flat_members(flat, params):
     return members
 
 
+# ---------------------------------------------------------------- clip_grad_norm_ folded into the step
+
+
+def clip_coefficient(grads, max_norm, norm_type):
+    """torch's clip_grad_norm_ arithmetic, through the table entries its ops take: the total
+    norm (the norm of the per-gradient norms) and the clamped coefficient."""
+
+    def call(op, *args):
+        return MAPPINGS[op].call(*args)
+
+    norms = call(aten._foreach_norm.Scalar, grads, norm_type)
+    total = call(aten.linalg_vector_norm.default, call(aten.stack.default, norms), norm_type)
+    # max_norm / (total + 1e-6), as torch runs it: a reciprocal, then a product.
+    scale = call(aten.mul.Tensor, call(aten.reciprocal.default, call(aten.add.Tensor, total, 1e-6)), max_norm)
+    return total, call(aten.clamp.default, scale, None, 1.0)
+
+
+def _clipped(grads, clip_grads, coefficient, max_norm, norm_type):
+    """The gradients an update uses: scaled by the clip's coefficient (computed here from all
+    the clip's gradients when not known yet). Returns (grads, (total, coefficient) or None)."""
+    if clip_grads is None and coefficient is None:
+        return grads, None
+    total = None
+    if coefficient is None:
+        total, coefficient = clip_coefficient(clip_grads, max_norm, norm_type)
+    multiply = MAPPINGS[aten.mul.Tensor].call
+    return [multiply(grad, coefficient) for grad in grads], (total, coefficient)
+
+
+_scale_all = jax.jit(lambda values, coefficient: [MAPPINGS[aten.mul.Tensor].call(value, coefficient) for value in values])
+
+
+class PendingClip:
+    """A clip_grad_norm_ that waits for the optimizer's step (see the module's docstring).
+
+    Its gradients (their roots: a parameter's `.grad` is often an alias of the array the
+    backward made) and the norm tensor it returned hold it as their `_pending` work. The first
+    update program that takes its gradients computes the norm and the coefficient; gradients
+    read after that are scaled by the known coefficient, all at once."""
+
+    def __init__(self, grads, max_norm, norm_type, run_clip):
+        self.grads = list(grads)  # until the coefficient is known: the norm needs them all
+        self.max_norm, self.norm_type = max_norm, norm_type
+        self.run_clip = run_clip  # clips the gradients now and returns the total norm tensor
+        self.coefficient = None
+        self.waiting = [weakref.ref(grad) for grad in grads]
+        for grad in grads:
+            grad._pending = self
+            grad._generation += 1  # views and aliases read through the root again
+        # The total norm it returns: known once the clip has run.
+        self.norm = BridgeTensor(jax.ShapeDtypeStruct((), grads[0]._value.dtype), grads[0]._index)
+        self.norm._pending = self
+
+    def taken(self, total, coefficient):
+        """An update program computed the clip: the norm is known, the gradients may scale lazily."""
+        if self.coefficient is None:
+            self.coefficient = coefficient
+            self._set_norm(total)
+            self.grads = None
+
+    def resolve(self, tensor):
+        if self.coefficient is None:
+            grads, self.grads = self.grads, None
+            self._release(grads)
+            self._set_norm(read_value(self.run_clip(grads)))  # no gradient waits any more
+            return
+        waiting = [grad for grad in (ref() for ref in self.waiting) if grad is not None and grad._pending is self]
+        self.waiting = []
+        self._release(waiting)
+        for grad, value in zip(waiting, _scale_all([grad._value for grad in waiting], self.coefficient)):
+            grad._value = value
+            grad._generation += 1
+
+    @staticmethod
+    def of(grads):
+        """The clip all of `grads` wait for (one clip, whose coefficient an update may compute
+        or use), else None."""
+        roots = [_root(grad) for grad in grads]
+        clip = roots[0]._pending if roots else None
+        if not isinstance(clip, PendingClip) or any(root._pending is not clip or grad._chain for root, grad in zip(roots, grads)):
+            return None
+        return clip
+
+    def update_inputs(self, grads):
+        """The arguments an update program takes for this clip: (unclipped gradient values, all
+        the clip's gradient values or None, coefficient or None)."""
+        values = [_root(grad)._value for grad in grads]
+        if self.coefficient is not None:
+            return values, None, self.coefficient
+        return values, [grad._value for grad in self.grads], None
+
+    def _release(self, grads):
+        for grad in grads:
+            if grad._pending is self:
+                grad._pending = None
+
+    def _set_norm(self, total):
+        if self.norm._pending is self:
+            self.norm._value = total
+            self.norm._pending = None
+
+
+def _root(tensor):
+    return tensor if tensor._root is None else tensor._root
+
+
 def _lerp(start, end, weight):
     # torch's lerp: start + w * (end - start) below w = 0.5, else end - (end - start) * (1 - w).
     return jnp.where(
@@ -93,17 +206,20 @@ def _lerp(start, end, weight):
 
 @functools.partial(
     jax.jit,
-    static_argnames=("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize"),
+    static_argnames=("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "max_norm", "norm_type"),
     donate_argnums=(2, 3, 4),
 )
 def adam_update(
-    params, grads, flat_avgs, flat_sqs, flat_maxes, scalars,
-    *, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize
+    params, grads, flat_avgs, flat_sqs, flat_maxes, scalars, clip_grads=None, coefficient=None,
+    *, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, max_norm=None, norm_type=None
 ):
     """One Adam/AdamW step; returns the new (params, flat exp_avgs, flat exp_avg_sqs, flat
-    max_exp_avg_sqs or None). The moments are flat arrays (`flat_state`); `scalars` (one
-    transfer from the host) holds 1 - lr * weight_decay, then -lr / (1 - beta1**step) per
-    parameter, then sqrt(1 - beta2**step) per parameter."""
+    max_exp_avg_sqs or None, (total norm, clip coefficient) or None). The moments are flat
+    arrays (`flat_state`); `scalars` (one transfer from the host) holds 1 - lr * weight_decay,
+    then -lr / (1 - beta1**step) per parameter, then sqrt(1 - beta2**step) per parameter. A
+    folded clip_grad_norm_ (`PendingClip`) gives `clip_grads` (to compute the coefficient) or
+    the `coefficient`, and `max_norm` and `norm_type`."""
+    grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     count = len(params)
     decay, step_sizes, bias2_sqrts = scalars[0], scalars[1 : 1 + count], scalars[1 + count :]
     exp_avgs, exp_avg_sqs = _split(flat_avgs, params), _split(flat_sqs, params)
@@ -132,17 +248,22 @@ def adam_update(
         new_params.append(param)
         new_avgs.append(exp_avg)
         new_sqs.append(exp_avg_sq)
-    return new_params, _join(new_avgs), _join(new_sqs), (_join(new_maxes) if amsgrad else None)
+    return new_params, _join(new_avgs), _join(new_sqs), (_join(new_maxes) if amsgrad else None), clip
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first"),
+    static_argnames=("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "max_norm", "norm_type"),
     donate_argnums=(2,),
 )
-def sgd_update(params, grads, flat_buffers, lr, *, momentum, dampening, weight_decay, nesterov, maximize, first):
-    """One SGD step; returns (new params, new flat momentum buffers or None). `first`: no
-    buffers yet (torch starts them as a copy of the gradient)."""
+def sgd_update(
+    params, grads, flat_buffers, lr, clip_grads=None, coefficient=None,
+    *, momentum, dampening, weight_decay, nesterov, maximize, first, max_norm=None, norm_type=None
+):
+    """One SGD step; returns (new params, new flat momentum buffers or None, (total norm, clip
+    coefficient) or None). `first`: no buffers yet (torch starts them as a copy of the
+    gradient). The clip arguments are adam_update's."""
+    grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     buffers = None if first or momentum == 0 else _split(flat_buffers, params)
     new_params, new_buffers = [], []
     for i, (param, grad) in enumerate(zip(params, grads)):
@@ -160,4 +281,4 @@ def sgd_update(params, grads, flat_buffers, lr, *, momentum, dampening, weight_d
             grad = grad + jnp.asarray(momentum, dtype) * buffer if nesterov else buffer
         param = param + (-lr).astype(dtype) * grad
         new_params.append(param)
-    return new_params, (_join(new_buffers) if momentum != 0 else None)
+    return new_params, (_join(new_buffers) if momentum != 0 else None), clip

@@ -30,6 +30,10 @@ class BridgeTensor(torch.Tensor):
     # _seen: the root's version when _value was computed
     # _generation: (roots) bumped on every write
     # _index: the bridge device ordinal
+    # _pending: (roots) None, or deferred work that gives the tensor its value when it is next
+    #   read or written: a clip_grad_norm_ folded into the optimizer's step (runtime.optimizers.PendingClip)
+
+    _pending = None
 
     @staticmethod
     def __new__(cls, value, index=0, requires_grad=False):
@@ -201,12 +205,17 @@ def read_value(tensor):
     if trace_hook is not None:
         trace_hook(tensor)
     root = tensor._root
-    if root is None or tensor._seen == root._generation:
+    if root is None:
+        if tensor._pending is not None and not settings.tracing:
+            tensor._pending.resolve(tensor)
+        return tensor._value
+    if tensor._seen == root._generation:
         return tensor._value
     if not tensor._chain:  # an alias of the whole root (detach, .data, a parameter)
-        tensor._value = root._value
+        value = root._value if root._pending is None else read_value(root)
+        tensor._value = value
         tensor._seen = root._generation
-        return root._value
+        return value
     value = read_value(root)
     for apply_view in tensor._chain:
         value = apply_view(value)
@@ -220,6 +229,9 @@ def write_value(tensor, value):
     if trace_hook is not None:
         trace_hook(tensor)
     root = tensor._root
+    owner = tensor if root is None else root
+    if owner._pending is not None and not settings.tracing:
+        owner._pending.resolve(owner)  # the deferred work read the value before this write
     if root is None:
         tensor._value = value
         tensor._generation += 1

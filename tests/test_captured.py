@@ -328,6 +328,80 @@ def test_optimizer_step_as_one_program_matches_torch(captured, make):
     assert state["step"].device.type == "cpu" if "step" in state else True
 
 
+def _clip_scenario(net, optimizer, scenario, x, device):
+    """One step of a loop that clips its gradients; returns what the script saw."""
+    seen = {}
+    net(x.to(device)).square().mean().backward()
+    if scenario == "clip twice":
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+    total = torch.nn.utils.clip_grad_norm_(net.parameters(), 0.3)
+    if scenario == "read the norm first":
+        seen["norm before step"] = total.detach().cpu().clone()
+    if scenario == "read gradients first":
+        seen["grads before step"] = [p.grad.cpu().clone() for p in net.parameters()]
+    optimizer.step()
+    seen["norm"] = total.detach().cpu().clone()
+    if scenario == "read gradients after":
+        seen["grads after step"] = [p.grad.cpu().clone() for p in net.parameters()]
+    optimizer.zero_grad(set_to_none=scenario != "zero in place")
+    return seen
+
+
+_CLIP_SCENARIOS = {
+    "step": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "two groups": lambda params: torch.optim.AdamW(
+        [{"params": params[:2], "weight_decay": 0.1}, {"params": params[2:], "weight_decay": 0.0}], lr=1e-2
+    ),
+    "read the norm first": lambda params: torch.optim.Adam(params, lr=1e-2),
+    "read gradients first": lambda params: torch.optim.Adam(params, lr=1e-2),
+    "read gradients after": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "zero in place": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9),
+    "clip twice": lambda params: torch.optim.AdamW(params, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(_CLIP_SCENARIOS))
+def test_clip_folded_into_the_step_matches_torch(captured, scenario):
+    """clip_grad_norm_ waits for the optimizer's step, whose program computes it; whatever the
+    script reads in between (the norm, the gradients) is the clipped value, as in torch."""
+    torch.manual_seed(0)
+    reference, model = _pair(MLP())
+    make = _CLIP_SCENARIOS[scenario]
+    opt_ref, opt = make(list(reference.parameters())), make(list(model.parameters()))
+    for _ in range(3):
+        x = torch.randn(8, 6)
+        expected = _clip_scenario(reference, opt_ref, scenario, x, "cpu")
+        actual = _clip_scenario(model, opt, scenario, x, "cuda")
+        assert sorted(actual) == sorted(expected)
+        for name in expected:
+            torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
+    if scenario in ("step", "two groups", "read gradients after", "zero in place"):
+        assert not _regions("clip_grad_norm_"), "the clip ran as a program of its own"
+
+
+def test_clip_folded_after_a_fused_forward_and_backward(captured):
+    """With the loss inside the model, forward and backward are one program and each `.grad`
+    is an alias of an array it returned: the clip still waits for the step."""
+    torch.manual_seed(0)
+    reference, model = _pair(WithLoss())
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    for _ in range(4):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        norms = []
+        for net, optimizer, device in ((reference, opt_ref, "cpu"), (model, opt, "cuda")):
+            net(x.to(device), y.to(device))[1].backward()
+            norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), 0.1))
+            optimizer.step()
+            optimizer.zero_grad()
+        torch.testing.assert_close(norms[1].cpu(), norms[0], rtol=1e-5, atol=1e-7)
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
+    assert not _regions("clip_grad_norm_"), "the clip ran as a program of its own"
+
+
 def test_eager_mode_captures_nothing(bridged):
     previous = bridged.set_mode("eager")
     capture.reset()

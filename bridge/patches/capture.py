@@ -12,6 +12,7 @@
 Everything here is inert in eager mode (`--mode eager`, BRIDGE_MODE=eager).
 """
 
+import functools
 import importlib
 import inspect
 import weakref
@@ -230,7 +231,8 @@ _clip_region = capture.Region(_clip_body, "clip_grad_norm_")
 
 
 def clip_grad_norm(wrapped, instance, args, kwargs):
-    """clip_grad_norm_ as one program: the norms, the total and the scaling of every gradient."""
+    """clip_grad_norm_ as one program: the norms, the total and the scaling of every gradient.
+    Folded into the optimizer's step when it can wait for it (optimizers.PendingClip)."""
     if not settings.capture:
         return wrapped(*args, **kwargs)
     a = _bind(wrapped, args, kwargs)
@@ -239,8 +241,43 @@ def clip_grad_norm(wrapped, instance, args, kwargs):
     grads = [p.grad for p in parameters if p.grad is not None]
     if a["error_if_nonfinite"] or not grads or not all(isinstance(g, BridgeTensor) for g in grads):
         return wrapped(parameters, *list(a.values())[1:])
+    max_norm, norm_type, foreach = float(a["max_norm"]), float(a["norm_type"]), a["foreach"]
     with torch.no_grad():
-        return _clip_region(grads, float(a["max_norm"]), float(a["norm_type"]), a["foreach"])
+        if not _can_wait(grads):
+            return _clip_region(grads, max_norm, norm_type, foreach)
+        for grad in grads:
+            read_value(grad)  # an earlier clip still waiting runs first
+        clip_now = functools.partial(_clip_region, max_norm=max_norm, norm_type=norm_type, foreach=foreach)
+        roots = [grad if grad._root is None else grad._root for grad in grads]
+        return optimizers.PendingClip(roots, max_norm, norm_type, clip_now).norm
+
+
+def _can_wait(grads):
+    """A clip can wait for the step when its gradients are whole arrays (roots, or aliases of
+    distinct roots; not views of part of one) of one floating dtype on one device, and no
+    region is being traced."""
+    first = grads[0]
+    return (
+        not settings.tracing
+        and first.dtype in (torch.float32, torch.float64)
+        and len({id(grad if grad._root is None else grad._root) for grad in grads}) == len(grads)
+        and all(not grad._chain and grad.dtype == first.dtype and grad._index == first._index for grad in grads)
+    )
+
+
+def _clip_arguments(grads):
+    """The gradient values and clip arguments of an update program for these gradients: a clip
+    they all wait for is computed by the update (or its known coefficient applied)."""
+    clip = optimizers.PendingClip.of(grads)
+    if clip is None:
+        return clip, [read_value(t) for t in grads], (None, None), {}
+    values, clip_values, coefficient = clip.update_inputs(grads)
+    return clip, values, (clip_values, coefficient), {"max_norm": clip.max_norm, "norm_type": clip.norm_type}
+
+
+def _clip_done(clip, result):
+    if clip is not None and result[0] is not None:
+        clip.taken(*result)
 
 
 # ---------------------------------------------------------------- optimizers
@@ -305,11 +342,14 @@ def adam(wrapped, instance, args, kwargs):
     # The moments as flat arrays: their tensors become views into them (optimizers.flat_state).
     roots = [optimizers.flat_state(a["exp_avgs"]), optimizers.flat_state(a["exp_avg_sqs"])]
     roots.append(optimizers.flat_state(a["max_exp_avg_sqs"]) if a["amsgrad"] else None)
-    new_params, *new_flat = optimizers.adam_update(
+    clip, grad_values, clip_values, clip_statics = _clip_arguments(a["grads"])
+    new_params, *new_flat, clip_result = optimizers.adam_update(
         [read_value(t) for t in params],
-        [read_value(t) for t in a["grads"]],
+        grad_values,
         *[None if root is None else read_value(root) for root in roots],
         scalars,
+        *clip_values,
+        **clip_statics,
         beta1=beta1,
         beta2=beta2,
         eps=float(a["eps"]),
@@ -318,6 +358,7 @@ def adam(wrapped, instance, args, kwargs):
         amsgrad=bool(a["amsgrad"]),
         maximize=bool(a["maximize"]),
     )
+    _clip_done(clip, clip_result)
     for tensor, value in zip(params, new_params):
         write_value(tensor, value)
     for root, value in zip(roots, new_flat):
@@ -348,11 +389,14 @@ def sgd(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     momentum = float(a["momentum"])
     root = None if first or momentum == 0 else optimizers.flat_state(buffers)
-    new_params, new_flat = optimizers.sgd_update(
+    clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
+    new_params, new_flat, clip_result = optimizers.sgd_update(
         [read_value(t) for t in params],
-        [read_value(t) for t in grads],
+        grad_values,
         None if root is None else read_value(root),
         np.array(a["lr"], dtype=np.float32 if dtype == torch.float32 else np.float64),
+        *clip_values,
+        **clip_statics,
         momentum=momentum,
         dampening=float(a["dampening"]),
         weight_decay=float(a["weight_decay"]),
@@ -360,6 +404,7 @@ def sgd(wrapped, instance, args, kwargs):
         maximize=bool(a["maximize"]),
         first=first and momentum != 0,
     )
+    _clip_done(clip, clip_result)
     for tensor, value in zip(params, new_params):
         write_value(tensor, value)
     if momentum != 0:
