@@ -2,6 +2,7 @@
 per-sample time limits, and the record each (entry, dtype, phase) result is kept as."""
 
 import dataclasses
+import os
 import signal
 import time
 
@@ -95,6 +96,9 @@ def _map_count_limit():
 _MAP_COUNT_LIMIT = _map_count_limit()
 
 
+_RESIDENT_LIMIT = 3 << 30
+
+
 def release_compiled_programs():
     """Drop JAX's compiled programs once this process holds half of the memory mappings Linux
     allows it (vm.max_map_count, 65530 by default).
@@ -104,15 +108,21 @@ def release_compiled_programs():
     every module input (a fresh module each time) that it never runs again: nn.LSTM's 128 inputs
     left some 65,000 mappings, and the next compilation failed with "LLVM compilation error:
     Cannot allocate memory" on a machine with gigabytes free. Programs still in use compile again.
+
+    The programs are dropped as well once the process's resident memory passes
+    `_RESIDENT_LIMIT`: an OpInfo sweep worker grew to 6 GB of them, and two such workers beside
+    a test run exhausted a 24 GiB machine.
     """
     if _MAP_COUNT_LIMIT is None:
         return False
     try:
         with open("/proc/self/maps", "rb") as handle:
             count = sum(1 for _ in handle)
-    except OSError:
+        with open("/proc/self/statm", "rb") as handle:
+            resident = int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
         return False
-    if count < _MAP_COUNT_LIMIT // 2:
+    if count < _MAP_COUNT_LIMIT // 2 and resident < _RESIDENT_LIMIT:
         return False
     import gc
 

@@ -635,12 +635,14 @@ def run_entry(op, quick=False, budget=None, dtypes=DTYPES):
         if dtype in supported:
             records.append(_run_phase(op, dtype, FORWARD, quick, deadline, ops[FORWARD]))
             harness.alive()
+            harness.release_compiled_programs()
     if op.supports_autograd:
         backward_supported = op.supported_backward_dtypes("cpu")
         for dtype in GRAD_DTYPES:
             if dtype in backward_supported and dtype in dtypes:
                 records.append(_run_phase(op, dtype, BACKWARD, quick, deadline, ops[BACKWARD]))
                 harness.alive()
+                harness.release_compiled_programs()
     return records, ops
 
 
