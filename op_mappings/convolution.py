@@ -69,8 +69,8 @@ def _transposed_weight(weight, groups):
     return jnp.flip(forward, axis=tuple(range(2, 2 + len(kernel))))
 
 
-@_compiled("stride", "padding", "dilation", "transposed", "output_padding", "groups")
-def _convolve(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+@_compiled("stride", "padding", "dilation", "transposed", "output_padding", "groups", "channels_last")
+def _convolve(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, channels_last=False):
     spatial = input.ndim - 2
     stride = _expand(stride, spatial)
     padding = _expand(padding, spatial)
@@ -98,17 +98,24 @@ def _convolve(input, weight, bias, stride, padding, dilation, transposed, output
             preferred_element_type=accumulator,
         )
     else:
+        numbers = _dimension_numbers(spatial)
+        if channels_last:  # config.conv_channels_last: NHWC out, NCHW after the transpose below
+            numbers = numbers[:2] + ("NHWC",)
         out = lax.conv_general_dilated(
             input,
             weight,
             window_strides=stride,
             padding=[(p, p) for p in padding],
             rhs_dilation=dilation,
-            dimension_numbers=_dimension_numbers(spatial),
+            dimension_numbers=numbers,
             feature_group_count=groups,
             precision=config.conv_precision(),
             preferred_element_type=accumulator,
         )
+        if channels_last:
+            if bias is not None:
+                out = out + bias.astype(accumulator)
+            return jnp.transpose(out, (0, 3, 1, 2)).astype(input.dtype)
     if bias is not None:
         out = out + bias.astype(accumulator).reshape((1, -1) + (1,) * spatial)
     return out.astype(input.dtype)
@@ -116,7 +123,10 @@ def _convolve(input, weight, bias, stride, padding, dilation, transposed, output
 
 @register_mapping(aten.convolution.default)
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    return _convolve(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+    channels_last = input.ndim == 4 and not transposed and config.conv_channels_last()
+    return _convolve(
+        input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, channels_last=channels_last
+    )
 
 
 @register_mapping(aten.convolution_backward.default)

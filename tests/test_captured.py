@@ -402,6 +402,52 @@ def test_clip_folded_after_a_fused_forward_and_backward(captured):
     assert not _regions("clip_grad_norm_"), "the clip ran as a program of its own"
 
 
+class _ConvNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(8, 8, 3, stride=2, dilation=2, padding=2, groups=2, bias=False)
+        self.norm = torch.nn.BatchNorm2d(8)
+        self.head = torch.nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.norm(self.conv2(torch.relu(self.conv1(x)))))
+        return self.head(x.mean((2, 3)))
+
+
+@pytest.mark.parametrize("mode", ["eager", "captured"])
+def test_channels_last_convolutions_match_torch(bridged, mode):
+    """Convolutions that give their result channels-last before the transpose to NCHW (the
+    default on GPUs: runtime.config.conv_channels_last), with the loss outside the model so
+    that captured runs split into a forward and a backward program."""
+    from runtime.config import settings
+
+    previous_mode, previous_layout = bridged.set_mode(mode), settings.conv_channels_last
+    settings.conv_channels_last = True
+    capture.reset()
+    try:
+        torch.manual_seed(0)
+        reference, model = _pair(_ConvNet())
+        opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        for _ in range(3):
+            x, y = torch.randn(4, 3, 12, 12), torch.randint(0, 4, (4,))
+            for net, optimizer, device in ((reference, opt_ref, "cpu"), (model, opt, "cuda")):
+                loss = F.cross_entropy(net(x.to(device)), y.to(device))
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                net.loss = loss.detach()
+            torch.testing.assert_close(model.loss.cpu(), reference.loss, rtol=1e-5, atol=1e-6)
+        for p_ref, p in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
+        if mode == "captured":
+            assert [record.reason for record in _regions("_ConvNet")] == ["first call"]
+    finally:
+        settings.conv_channels_last = previous_layout
+        bridged.set_mode(previous_mode)
+
+
 def test_eager_mode_captures_nothing(bridged):
     previous = bridged.set_mode("eager")
     capture.reset()
