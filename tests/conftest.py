@@ -8,6 +8,32 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# The tests run on XLA's CPU (CI) or, with JAX_PLATFORMS=cuda, on a GPU (benchmarks/gpu_check.sh).
+ON_GPU = os.environ.get("JAX_PLATFORMS", "").split(",")[0] in ("cuda", "gpu", "rocm")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "cpu_exact: compares with torch's CPU kernels to the last bit or ulp, which holds on XLA's "
+        "CPU only (GPU GEMMs round bfloat16 and float16 their own way)",
+    )
+    if ON_GPU:
+        # The oracle is still eager torch on the CPU, in full float32: torch's CUDA default lets
+        # cuDNN use TF32 for float32 convolutions, and the bridge follows it (runtime.config).
+        import torch
+
+        torch.backends.cudnn.allow_tf32 = False
+
+
+def pytest_collection_modifyitems(config, items):
+    if not ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="cpu_exact: exact agreement with torch's CPU kernels holds on XLA's CPU only")
+    for item in items:
+        if "cpu_exact" in item.keywords:
+            item.add_marker(skip)
+
 
 @pytest.fixture
 def bridged():

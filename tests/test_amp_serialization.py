@@ -4,6 +4,7 @@ under the bridge, against eager torch."""
 import copy
 import io
 
+import pytest
 import torch
 import torch.nn as nn
 
@@ -16,6 +17,7 @@ def _model():
     return nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
 
 
+@pytest.mark.cpu_exact
 def test_autocast_bfloat16_matches_torch_cpu_autocast(bridged):
     model = _model()
     bridged_model = copy.deepcopy(model).cuda()
