@@ -43,7 +43,7 @@ from . import tensor as tensor_module
 from .callsite import _is_library
 from .config import KEEP_FOR_BACKWARD, settings
 from .errors import BridgeError
-from .tensor import BridgeTensor, read_value, write_value
+from .tensor import BridgeTensor, read_value, root_of, write_value
 
 # Programs kept per region before it is left to run eagerly (torch.compile's cache_size_limit).
 MAX_PROGRAMS = 8
@@ -81,7 +81,7 @@ class _Trace:
         self.free = {}  # id -> (root, value, generation) of outside roots, as they were
 
     def touch(self, tensor):
-        root = tensor if tensor._root is None else tensor._root
+        root = root_of(tensor)
         key = id(root)
         if key in self.known or key in self.free:
             return
@@ -101,10 +101,6 @@ def _touch(tensor):
 
 
 # ---------------------------------------------------------------- structure of a call
-
-
-def _root(tensor):
-    return tensor if tensor._root is None else tensor._root
 
 
 def _is_float(dtype):
@@ -647,7 +643,7 @@ class Region:
                 raise GraphBreak("the module has a parameter or buffer that is not on the bridge device")
             if tensor._chain and tensor.requires_grad:
                 raise GraphBreak("a parameter is a view into another tensor")
-            root = _root(tensor)
+            root = root_of(tensor)
             position = seen.get(id(root))
             if position is None:
                 seen[id(root)] = len(roots)

@@ -70,20 +70,9 @@ def conv_channels_last():
     """
     if settings.conv_channels_last is not None:
         return settings.conv_channels_last
-    if settings.platform is not None:
-        return settings.platform == "gpu"
-    return _default_backend() == "gpu"
+    from . import devices
 
-
-def _default_backend():
-    if _backend[0] is None:
-        import jax
-
-        _backend[0] = jax.default_backend()
-    return _backend[0]
-
-
-_backend = [None]
+    return devices.jax_device(0).platform == "gpu"
 
 
 def conv_precision():

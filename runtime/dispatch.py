@@ -19,7 +19,7 @@ from .callsite import user_call_site, warn_at_user_site
 from .config import settings
 from .errors import CPUFallbackWarning, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
 from .registry import MAPPINGS
-from .tensor import BridgeTensor, numpy_to_torch, read_value, torch_to_numpy, write_value
+from .tensor import BridgeTensor, numpy_to_torch, read_value, root_of, torch_to_numpy, write_value
 from . import tensor as tensor_module
 from .views import ViewStep
 
@@ -229,7 +229,7 @@ def _alias_plan(args, kwargs):
     detaches every gradient it accumulates, so this is on the path of each training step)."""
     base = args[0]
     out = BridgeTensor(read_value(base), base._index)
-    _make_view(out, base if base._root is None else base._root, base._chain)
+    _make_view(out, root_of(base), base._chain)
     return out
 
 

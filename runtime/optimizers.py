@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from .registry import MAPPINGS, aten
-from .tensor import BridgeTensor, read_value
+from .tensor import BridgeTensor, read_value, root_of
 from .views import ViewStep
 
 
@@ -168,7 +168,7 @@ class PendingClip:
     def of(grads):
         """The clip all of `grads` wait for (one clip, whose coefficient an update may compute
         or use), else None."""
-        roots = [_root(grad) for grad in grads]
+        roots = [root_of(grad) for grad in grads]
         clip = roots[0]._pending if roots else None
         if not isinstance(clip, PendingClip) or any(root._pending is not clip or grad._chain for root, grad in zip(roots, grads)):
             return None
@@ -177,7 +177,7 @@ class PendingClip:
     def update_inputs(self, grads):
         """The arguments an update program takes for this clip: (unclipped gradient values, all
         the clip's gradient values or None, coefficient or None)."""
-        values = [_root(grad)._value for grad in grads]
+        values = [root_of(grad)._value for grad in grads]
         if self.coefficient is not None:
             return values, None, self.coefficient
         return values, [grad._value for grad in self.grads], None
@@ -191,10 +191,6 @@ class PendingClip:
         if self.norm._pending is self:
             self.norm._value = total
             self.norm._pending = None
-
-
-def _root(tensor):
-    return tensor if tensor._root is None else tensor._root
 
 
 def _lerp(start, end, weight):

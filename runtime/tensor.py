@@ -200,6 +200,11 @@ def _parse_to(args, kwargs):
 trace_hook = None
 
 
+def root_of(tensor):
+    """The tensor owning a bridge tensor's data: itself, or the root it is a view of."""
+    return tensor if tensor._root is None else tensor._root
+
+
 def read_value(tensor):
     """The current jax.Array of a bridge tensor, recomputing a view whose root changed."""
     if trace_hook is not None:

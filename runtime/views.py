@@ -57,7 +57,7 @@ def _index_map(shape, complex_root, chain):
     real (`real`, `imag`, `view_as_real`, `view_as_complex`) move positions the way they move
     values, and a write through `z.real` or `view_as_real(z)[..., 1]` lands on its components.
     """
-    complex_steps = complex_root or any(step.op in _COMPLEX_VIEWS for step in chain)
+    complex_steps = _by_components(complex_root, chain)
     with jax.ensure_compile_time_eval():
         size = int(np.prod(shape, dtype=np.int64))
         if complex_root:
@@ -81,11 +81,16 @@ def _index_map(shape, complex_root, chain):
 _COMPLEX_VIEWS = frozenset({torch.ops.aten.view_as_complex.default, torch.ops.aten.view_as_complex_copy.default})
 
 
+def _by_components(complex_root, chain):
+    """Whether positions address real components (a complex root, or a chain that makes one)."""
+    return complex_root or any(step.op in _COMPLEX_VIEWS for step in chain)
+
+
 def scatter_into_root(root_value, chain, value):
     """The root's new value after `value` is written into the view that `chain` makes of it."""
     complex_root = jnp.iscomplexobj(root_value)
     positions = _index_map(tuple(root_value.shape), complex_root, chain)
-    if not complex_root and not any(step.op in _COMPLEX_VIEWS for step in chain):
+    if not _by_components(complex_root, chain):
         if value.dtype != root_value.dtype:
             value = value.astype(root_value.dtype)
         if positions is None:

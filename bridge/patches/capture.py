@@ -22,7 +22,7 @@ import torch
 
 from runtime import capture, optimizers
 from runtime.config import settings
-from runtime.tensor import BridgeTensor, read_value, write_value
+from runtime.tensor import BridgeTensor, read_value, root_of, write_value
 
 from . import Patch
 
@@ -248,8 +248,7 @@ def clip_grad_norm(wrapped, instance, args, kwargs):
         for grad in grads:
             read_value(grad)  # an earlier clip still waiting runs first
         clip_now = functools.partial(_clip_region, max_norm=max_norm, norm_type=norm_type, foreach=foreach)
-        roots = [grad if grad._root is None else grad._root for grad in grads]
-        return optimizers.PendingClip(roots, max_norm, norm_type, clip_now).norm
+        return optimizers.PendingClip([root_of(grad) for grad in grads], max_norm, norm_type, clip_now).norm
 
 
 def _can_wait(grads):
@@ -260,7 +259,7 @@ def _can_wait(grads):
     return (
         not settings.tracing
         and first.dtype in (torch.float32, torch.float64)
-        and len({id(grad if grad._root is None else grad._root) for grad in grads}) == len(grads)
+        and len({id(root_of(grad)) for grad in grads}) == len(grads)
         and all(not grad._chain and grad.dtype == first.dtype and grad._index == first._index for grad in grads)
     )
 
