@@ -62,8 +62,11 @@ METHOD = (
     "Gradients: a fixed random cotangent through the differentiable outputs, float32 and float64. "
     "Random ops are checked for shape, dtype and reproducibility under torch.manual_seed; indices "
     "torch leaves unspecified among equal values (sort, argsort, topk, kthvalue) must point at equal "
-    "values. A mismatch is called rounding when the bridge's result is as close to the same "
-    "computation in float64 as torch's own. The database's own skips for test_compare_cpu, "
+    "values. A sample outside the tolerance is judged against the same computation in float64 on the "
+    "CPU by the rule PyTorch's test_ops applies to its Python references (TestCommon._ref_test_helper): "
+    "it passes when the bridge's result is at least as close to the float64 one as torch's, summing "
+    "absolute differences over all elements; such passes are marked ≈ and counted apart in the totals. "
+    "A failing mismatch is called rounding when its largest error is within twice torch's. The database's own skips for test_compare_cpu, "
     "test_variant_consistency_eager and test_fn_grad (TestModule.test_cpu_gpu_parity/test_forward/"
     "test_grad for modules) are honoured and shown. A pass counts as 'no CPU fallback' only if no "
     "ATen op of the sample ran through the fallback."
@@ -71,7 +74,8 @@ METHOD = (
 LEGEND = (
     "✓ pass · ✗ fail · xf listed expected failure (compat/expected_failures.py) · xp listed but passes · "
     "s skipped by the database's own metadata · dxf failure the database itself marks expected · "
-    "T over the time budget · – no sample torch runs · * passes only through the CPU fallback"
+    "T over the time budget · – no sample torch runs · * passes only through the CPU fallback · "
+    "≈ some samples passed by test_ops' float64 rule, not within the tolerance"
 )
 
 
@@ -228,7 +232,13 @@ def opinfo_totals(records):
         by_dtype[dtype] = _rate(sum(_passes(r) for r in chosen), len(chosen))
     totals["forward_by_dtype"] = by_dtype
     totals["statuses"] = dict(collections.Counter(r["status"] for r in records))
+    totals["passed_by_precision_rule"] = sum(1 for r in records if _counted(r) and _passes(r) and _precise(r))
     return totals
+
+
+def _precise(record):
+    """Whether a record has samples that passed by test_ops' float64 rule, not the tolerance."""
+    return record.get("precise", 0) > 0
 
 
 def moduleinfo_totals(records):
@@ -240,6 +250,7 @@ def moduleinfo_totals(records):
     totals = {
         "modules": len(by_module),
         "modules_pass_forward_and_backward": _rate(len(passing), len(counted_modules)),
+        "passing_by_precision_rule": sorted(module for module in passing if any(_precise(r) for r in by_module[module])),
         "statuses": dict(collections.Counter(r["status"] for r in records)),
     }
     for phase in (FORWARD, BACKWARD):
@@ -278,6 +289,7 @@ def _entry_rows(records):
                 "details": {},
                 "cpu_fallback": [],
                 "fallback_records": [],
+                "precise_records": [],
                 "seconds": 0.0,
                 "random": False,
             },
@@ -287,6 +299,11 @@ def _entry_rows(records):
             row["details"][f"{record['dtype']}/{record['phase']}"] = record["detail"]
         if record["cpu_fallback"]:
             row["fallback_records"].append(f"{record['dtype']}/{record['phase']}")
+        if record["status"] == harness.PASS and _precise(record):
+            row["precise_records"].append(f"{record['dtype']}/{record['phase']}")
+            row["details"][f"{record['dtype']}/{record['phase']}"] = (
+                f"{record['precise']} of {record['samples']} samples {record['precise_note']}"
+            )
         for op in record["cpu_fallback"]:
             if op not in row["cpu_fallback"]:
                 row["cpu_fallback"].append(op)
@@ -575,9 +592,12 @@ def headline(report):
         lines.append(("OpInfo all dtypes forward: (entry, dtype) pairs passing", _fraction(op["all_dtypes_forward"]), op["all_dtypes_forward"]["percent"]))
         lines.append(("OpInfo gradients float32: entries passing", _fraction(op["float32_gradients"]), op["float32_gradients"]["percent"]))
         lines.append(("OpInfo gradients float64: entries passing", _fraction(op["float64_gradients"]), op["float64_gradients"]["percent"]))
+        lines.append(("OpInfo: passing (entry, dtype, phase) records with samples that passed by test_ops' float64 rule (≈)", str(op.get("passed_by_precision_rule", 0)), None))
     if "moduleinfo" in totals:
         module = totals["moduleinfo"]
         lines.append(("ModuleInfo: modules passing forward and backward (train and eval)", _fraction(module["modules_pass_forward_and_backward"]), module["modules_pass_forward_and_backward"]["percent"]))
+        by_rule = module.get("passing_by_precision_rule", [])
+        lines.append(("ModuleInfo: of those, modules with inputs that passed by test_ops' float64 rule (≈)", f"{len(by_rule)}" + (f": {', '.join(by_rule)}" if by_rule else ""), None))
     lines.append(("Sweep wall time", f"{totals['sweep_seconds']:.0f} s ({report['mode'].split(' ')[0]})", None))
     return lines
 
@@ -591,12 +611,15 @@ def _fraction(rate):
 # ---------------------------------------------------------------- writers
 
 
-def _marks(statuses, fallback=(), phase=None):
-    """"f32✓ bf16✗ ..."; a pass that needed the CPU fallback gets a star."""
+def _marks(statuses, fallback=(), phase=None, precise=()):
+    """"f32✓ bf16✗ ..."; a pass that needed the CPU fallback gets a star, one with samples passed
+    by test_ops' float64 rule a ≈."""
     marks = []
     for dtype, short in SHORT_DTYPES.items():
         if dtype in statuses:
-            star = "*" if statuses[dtype] == harness.PASS and f"{dtype}/{phase}" in fallback else ""
+            passed = statuses[dtype] == harness.PASS
+            star = "*" if passed and f"{dtype}/{phase}" in fallback else ""
+            star += "≈" if passed and f"{dtype}/{phase}" in precise else ""
             marks.append(f"{short}{MARKS[statuses[dtype]]}{star}")
     return " ".join(marks)
 
@@ -692,8 +715,8 @@ def write_markdown(report, path):
             if row["random"]:
                 notes = ("random: shape, dtype, reproducibility checked; " + notes).rstrip("; ")
             out.append(
-                f"| {row['entry']} | {_marks(row[FORWARD], row['fallback_records'], FORWARD)} | "
-                f"{_marks(row[BACKWARD], row['fallback_records'], BACKWARD)} | "
+                f"| {row['entry']} | {_marks(row[FORWARD], row['fallback_records'], FORWARD, row['precise_records'])} | "
+                f"{_marks(row[BACKWARD], row['fallback_records'], BACKWARD, row['precise_records'])} | "
                 f"{_md_escape(', '.join(row['cpu_fallback']))} | {_md_escape(notes[:300])} |"
             )
         out.append("")

@@ -48,10 +48,6 @@ ZERO_GRADIENT_ON_CPU = (
     "runtime: torch's autograd formula or engine makes this zero gradient with {op}(..., device='cpu') "
     "(the device a bridge tensor reports to C++), so the gradient comes back as a plain CPU tensor"
 )
-ROUNDING_LOW_PRECISION = (
-    "rounding: results differ from torch's CPU kernel by an ulp of {dtype}, and are as close to the "
-    "float64 result as torch's own (accumulation order)"
-)
 MATRIX_EXP_ROUNDING = (
     "rounding: torch's Taylor polynomial of degree 18 (Bader, Blanes, Casas) and jax.scipy's Pade approximant "
     "round differently; the bridge's result is as close to the float64 one as torch's (float32 5x5x5 sample: "
@@ -61,11 +57,6 @@ FFT_ROUNDING = (
     "rounding: XLA's FFT and pocketfft round differently on outputs that sum 360 terms; the bridge's result is "
     "as close to the float64 one as torch's (float32: 2.3e-5 against 2.2e-5)"
 )
-ILL_CONDITIONED = (
-    "rounding: ill-conditioned in float32; torch's own CPU result is {error} from the float64 one, "
-    "and the bridge's is about as far"
-)
-
 UPSAMPLE_LOW_PRECISION = (
     "rounding: the forward runs torch's own decomposition through the bridge's tables; in bfloat16/float16 "
     "it is closer to the float64 result than torch's CPU kernel (largest errors on the failing samples: "
@@ -107,6 +98,19 @@ OPINFO = {
         ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten.zeros"), F32_F64, BACKWARD, kinds=("device",))
     ],
     "sgn": [ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten._efficientzerotensor"), F32_F64, BACKWARD, kinds=("device",))],
+    # ---- views: a bridge view reports contiguous strides and storage offset 0
+    "as_strided.partial_views": [
+        ExpectedFailure(
+            "runtime: the sample's input is base[5:15] (storage offset 5) and the gradient goes through "
+            "as_strided with storage offsets that reach outside it; a bridge view reports storage offset 0 "
+            "and contiguous strides, and its as_strided addresses its own elements rather than its root's "
+            "storage, so torch's as_strided_backward places the gradient at the wrong positions (the "
+            "forward, likewise off, is an expected failure of the database itself)",
+            F32_F64,
+            BACKWARD,
+            kinds=("mismatch",),
+        )
+    ],
     # ---- torch's CPU kernel is wrong; the bridge gives the right result
     "matrix_exp": [
         ExpectedFailure(
@@ -119,22 +123,14 @@ OPINFO = {
         ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.float32,), BACKWARD, kinds=("rounding",)),
         ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.float32,), FORWARD, quick=False, kinds=("rounding",)),
     ],
-    # ---- rounding (the sweep re-judges these against float64 each run: kinds=("rounding",))
-    "_batch_norm_with_update": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
-    "nn.functional.batch_norm": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
-    "nn.functional.instance_norm": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
-    "logit": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",))],
+    # ---- rounding (the sweep re-judges these against float64 each run: kinds=("rounding",)); a
+    # sample at least as close to float64 as torch's passes by test_ops' rule and is not listed
     "nn.functional.grid_sample": [
-        ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",)),
         ExpectedFailure(GRID_GRADIENT_FLOAT32, (torch.float32,), BACKWARD, quick=False, kinds=("rounding",)),
     ],
     "grid_sampler_2d": [
-        ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="bfloat16/float16"), F16, FORWARD, kinds=("rounding",)),
         ExpectedFailure(GRID_GRADIENT_FLOAT32, (torch.float32,), BACKWARD, quick=False, kinds=("rounding",)),
     ],
-    "nn.functional.conv_transpose1d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
-    "nn.functional.conv_transpose2d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
-    "nn.functional.conv_transpose3d": [ExpectedFailure(ROUNDING_LOW_PRECISION.format(dtype="float16"), (torch.float16,), FORWARD, kinds=("rounding",))],
     "linalg.lstsq.grad_oriented": [
         ExpectedFailure(
             "rounding: float32 gradients of batched 4x3 samples (through pinv's SVD) differ from torch's by up to "
@@ -193,7 +189,6 @@ OPINFO = {
     "nn.functional.linear_cross_entropy.chunked": [
         ExpectedFailure(CHUNKED_CROSS_ENTROPY.format(errors="float16: bridge 3.6e-5, torch 3.3e-4"), (torch.float16,), FORWARD, quick=False, kinds=("rounding",))
     ],
-    "nn.functional.ctc_loss": [ExpectedFailure(ILL_CONDITIONED.format(error="5e-5"), (torch.float32,), BACKWARD, kinds=("rounding",))],
 }
 
 # ModuleInfo entries ("nn.Linear", or "nn.Linear.train" for one mode) -> their expected failures.
@@ -207,34 +202,12 @@ MODULEINFO = {
             kinds=("rounding",),
         )
     ],
-    "nn.MultiheadAttention": [
-        ExpectedFailure(
-            "rounding: one float32 element of 27 of the in_proj_weight gradient differs from torch's by 1.1e-5 "
-            "(1e-5 allowed) on a later input; it is as close to the float64 gradient as torch's "
-            "(error against float64: bridge 7.4e-6, torch CPU 7.9e-6); train and eval alike",
-            (torch.float32,),
-            BACKWARD,
-            quick=False,
-            kinds=("rounding",),
-        )
-    ],
-    "nn.TransformerEncoder.train": [
-        ExpectedFailure(
-            "rounding: 4 float32 elements of 48 of the first parameter's gradient differ from torch's by up to "
-            "2.9e-5 (1e-5 allowed) on a later input; the bridge's gradient is closer to the float64 one than "
-            "torch's (error against float64: bridge 8.7e-6, torch CPU 2.2e-5)",
-            (torch.float32,),
-            BACKWARD,
-            quick=False,
-            kinds=("rounding",),
-        )
-    ],
     "nn.Transformer": [
         ExpectedFailure(
-            "rounding: 12 float32 elements of 48 of one parameter's gradient (output 9) differ from torch's by up "
-            "to 8.8e-5 (1e-5 allowed) on a later input, after six encoder and decoder layers; the bridge's "
-            "gradient is as close to the float64 one as torch's (error against float64: 4.4e-5 both); train "
-            "and eval alike",
+            "rounding: after six encoder and decoder layers, 3 float32 elements of 48 of one parameter's "
+            "gradient (output 9) differ from torch's by up to 1.3e-5 (1e-5 allowed) on one input of 64; "
+            "against the float64 gradient the bridge's error is 4.8e-5 at most and 3.5e-4 summed, torch's "
+            "4.4e-5 and 3.2e-4, so test_ops' rule does not pass it either; train and eval alike",
             (torch.float32,),
             BACKWARD,
             quick=False,
@@ -243,13 +216,15 @@ MODULEINFO = {
     ],
     "nn.TransformerDecoderLayer.train": [
         ExpectedFailure(
-            "rounding: one float32 element of 48 of one parameter's gradient (output 6) differs from torch's by "
-            "1.3e-5 (1e-5 allowed) on a later input; it is as close to the float64 gradient as torch's "
-            "(error against float64: bridge 6.2e-6, torch CPU 6.6e-6)",
+            "rounding: one float32 element of 16 of the cross-attention out_proj.weight gradient (output 8) "
+            "differs from torch's by 2.7e-5 (1e-5 allowed) on input 44 of 67 (masks on both attentions); "
+            "against the float64 gradient the bridge's error is 1.9e-5, torch's 8e-6. Each ATen op of that "
+            "input, given the same arguments, is as close to float64 as torch's kernel or closer (summed "
+            "errors 0.73x to 1.0x torch's), so the difference is how the roundings compound, not an op's error",
             (torch.float32,),
             BACKWARD,
             quick=False,
-            kinds=("rounding",),
+            kinds=("mismatch", "rounding"),
         )
     ],
     "nn.ConvTranspose3d": [

@@ -182,9 +182,14 @@ def _arbitrate(phase_result, actual, expected, precise):
     except Exception:  # noqa: BLE001 - no float64 version of this module or input
         return
     verdict = harness.judge_against_float64(actual, expected, truth)
-    if verdict is not None:
-        phase_result[1] = verdict[0]
-        phase_result[2] = f"{phase_result[2]} | {verdict[1]}"
+    if verdict is None:
+        return
+    kind, note = verdict
+    if kind == "precise":
+        phase_result[:] = [True, "", "", f"{note}; it differed from torch's: {phase_result[2]}"]
+    else:
+        phase_result[1] = kind
+        phase_result[2] = f"{phase_result[2]} | {note}"
 
 
 def _buffers(module):
@@ -213,20 +218,20 @@ class _GraphLost(AssertionError):
 
 
 def _check(phase_result, function):
-    """Run one comparison into phase_result [ok, kind, detail]; returns True when it passed."""
+    """Run one comparison into phase_result [ok, kind, detail, precise note]; returns True when it passed."""
     try:
         function()
         return True
     except harness.SampleTimeout:
         raise
     except _GraphLost as error:
-        phase_result[:] = [False, "graph", str(error)]
+        phase_result[:3] = [False, "graph", str(error)]
     except harness.NotOnBridge as error:
-        phase_result[:] = [False, "device", str(error)]
+        phase_result[:3] = [False, "device", str(error)]
     except AssertionError as error:
-        phase_result[:] = [False, harness.classify_mismatch(error), harness.mismatch_summary(error)]
+        phase_result[:3] = [False, harness.classify_mismatch(error), harness.mismatch_summary(error)]
     except Exception as error:  # noqa: BLE001
-        phase_result[:] = [False, "error", harness.first_line(error)]
+        phase_result[:3] = [False, "error", harness.first_line(error)]
     return False
 
 
@@ -249,8 +254,8 @@ def _run_sample(info, module_input, dtype, training):
     except Exception:  # noqa: BLE001 - torch itself cannot run this input
         return None
     tol = tolerance(info, dtype)
-    forward = [True, "", ""]
-    backward = [True, "", ""]
+    forward = [True, "", "", ""]
+    backward = [True, "", "", ""]
     random = [False]
     state = {}
 
@@ -302,7 +307,7 @@ def _run_sample(info, module_input, dtype, training):
     if expected_grads is not None:
         counting = harness.Counting()
         if "outputs" not in state:
-            backward = [False, forward[1], "forward failed: " + forward[2]]
+            backward = [False, forward[1], "forward failed: " + forward[2], ""]
         else:
             with counting:
                 _check(backward, backward_check)
@@ -376,13 +381,14 @@ def _run_dtype(info, dtype, training, quick, deadline, ops):
                         continue
                     for op, (rung, clean) in result.pop("ops").items():
                         harness.merge_ops(ops, {op: (rung, clean)})
-                    for phase, (ok, kind, detail, random, fallback) in result.items():
+                    for phase, (ok, kind, detail, precise, random, fallback) in result.items():
                         record = records[phase]
                         record.samples += 1
                         record.random = record.random or random
                         fallbacks[phase].update(fallback)
                         if ok:
                             record.passed += 1
+                            harness.count_precise(record, precise)
                         elif phase not in failures:
                             failures[phase] = (kind, detail)
                     if quick:

@@ -206,7 +206,7 @@ def _default_tolerance(dtype):
 class _Outcome:
     """The result of one sample: compared (ok or not), or not counted (torch's reference raised)."""
 
-    __slots__ = ("actual", "counted", "culprit", "detail", "fallbacks", "kind", "ok", "ops", "random")
+    __slots__ = ("actual", "counted", "culprit", "detail", "fallbacks", "kind", "ok", "ops", "precise", "random")
 
     def __init__(self, counted=True, ok=True, kind="", detail="", random=False):
         self.counted, self.ok, self.kind, self.detail, self.random = counted, ok, kind, detail, random
@@ -214,6 +214,7 @@ class _Outcome:
         self.ops = {}
         self.actual = None  # the bridge's result, kept to judge a mismatch against float64
         self.culprit = ""  # the first ATen op that went wrong (see harness.FirstDivergence)
+        self.precise = ""  # passed by test_ops' float64 rule after a mismatch: what it measured
 
 
 def _not_counted():
@@ -524,8 +525,12 @@ def _arbitrate(outcome, expected, precise):
     except Exception:  # noqa: BLE001 - no float64 version of this op or sample
         return
     verdict = harness.judge_against_float64(outcome.actual, expected, truth)
-    if verdict is not None:
-        kind, note = verdict
+    if verdict is None:
+        return
+    kind, note = verdict
+    if kind == "precise":
+        outcome.ok, outcome.kind, outcome.precise = True, "", f"{note}; it differed from torch's: {outcome.detail}"
+    else:
         outcome.kind = kind
         outcome.detail = f"{outcome.detail} | {note}"
 
@@ -577,6 +582,7 @@ def _run_phase(op, dtype, phase, quick, deadline, ops_seen):
                     harness.merge_ops(ops_seen, outcome.ops)
                     if outcome.ok:
                         record.passed += 1
+                        harness.count_precise(record, outcome.precise)
                     else:
                         kinds.add(outcome.kind)
                         if failure is None:

@@ -22,13 +22,14 @@ def _accumulator(dtype):
     return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
 
 
-@functools.partial(jax.jit, static_argnames=("is_causal", "scale", "blocks"))
-def _attention(query, key, value, is_causal, attn_mask, scale, blocks=True):
+@functools.partial(jax.jit, static_argnames=("is_causal", "scale", "plain"))
+def _attention(query, key, value, is_causal, attn_mask, scale, plain=False):
     """(output, logsumexp of the scaled, masked scores); softmax in float32 for half-precision inputs.
 
-    In captured regions on a GPU, `_cudnn_output` replaces the output for half-precision inputs.
+    In captured regions on a GPU, `_cudnn_output` replaces the output for half-precision inputs;
+    beside it (`plain`), the results come from plain JAX operations with no derivative of our own,
+    which XLA drops when nothing uses them (a custom_vjp's backward would run on zero cotangents).
     """
-    accumulator = _accumulator(query.dtype)
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     query_heads, key_heads = query.shape[-3], key.shape[-3]
@@ -36,13 +37,21 @@ def _attention(query, key, value, is_causal, attn_mask, scale, blocks=True):
         # Grouped-query attention: each key/value head serves a contiguous group of query heads.
         key = jnp.repeat(key, query_heads // key_heads, axis=-3)
         value = jnp.repeat(value, query_heads // key_heads, axis=-3)
-    block = blocks and _causal_block(query, key, is_causal, attn_mask)
+    if plain:
+        out, logsumexp = _full_attention_forward(query, key, value, attn_mask, is_causal, scale, config.matmul_precision())[0]
+        return out.astype(query.dtype), logsumexp
+    block = _causal_block(query, key, is_causal, attn_mask)
     if block:
         out, logsumexp = _blocked_causal(query, key, value, scale, block, config.matmul_precision())
         return out.astype(query.dtype), logsumexp
-    scores = jnp.einsum(
-        "...qd,...kd->...qk", query, key, precision=config.matmul_precision(), preferred_element_type=accumulator
-    )
+    out, logsumexp = _full_attention(query, key, value, attn_mask, is_causal, scale, config.matmul_precision())
+    return out.astype(query.dtype), logsumexp
+
+
+def _scores(query, key, attn_mask, is_causal, scale, precision):
+    """The scaled, masked score matrix, in the accumulator dtype."""
+    accumulator = _accumulator(query.dtype)
+    scores = jnp.einsum("...qd,...kd->...qk", query, key, precision=precision, preferred_element_type=accumulator)
     scores = scores * jnp.asarray(scale, dtype=accumulator)
     if is_causal:
         # torch aligns the causal mask to the top-left corner when query and key lengths differ.
@@ -53,6 +62,20 @@ def _attention(query, key, value, is_causal, attn_mask, scale, blocks=True):
             scores = jnp.where(attn_mask, scores, -jnp.inf)
         else:
             scores = scores + attn_mask.astype(accumulator)
+    return scores
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _full_attention(query, key, value, attn_mask, is_causal, scale, precision):
+    """(output in the accumulator dtype, logsumexp). Its backward is the one torch's fused
+    kernels run (probabilities recomputed from the logsumexp, the softmax's row term from the
+    output), which rounds as torch's does, where JAX's derivative of the softmax rounds worse."""
+    return _full_attention_forward(query, key, value, attn_mask, is_causal, scale, precision)[0]
+
+
+def _full_attention_forward(query, key, value, attn_mask, is_causal, scale, precision):
+    accumulator = _accumulator(query.dtype)
+    scores = _scores(query, key, attn_mask, is_causal, scale, precision)
     # Softmax is shift-invariant, so the row maximum needs no gradient; a fully masked row
     # (maximum -inf) yields zeros and a logsumexp of 0, as torch's kernel gives.
     row_max = lax.stop_gradient(jnp.max(scores, axis=-1, keepdims=True))
@@ -62,14 +85,50 @@ def _attention(query, key, value, is_causal, attn_mask, scale, blocks=True):
     total = jnp.sum(weights, axis=-1, keepdims=True)
     probabilities = weights / jnp.where(total == 0, jnp.ones((), dtype=accumulator), total)
     out = jnp.einsum(
-        "...qk,...kd->...qd",
-        probabilities,
-        value.astype(accumulator),
-        precision=config.matmul_precision(),
-        preferred_element_type=accumulator,
+        "...qk,...kd->...qd", probabilities, value.astype(accumulator), precision=precision, preferred_element_type=accumulator
     )
-    logsumexp = jnp.where(fully_masked, jnp.zeros((), dtype=accumulator), jnp.log(total) + row_max)
-    return out.astype(query.dtype), logsumexp[..., 0]
+    logsumexp = jnp.where(fully_masked, jnp.zeros((), dtype=accumulator), jnp.log(total) + row_max)[..., 0]
+    return (out, logsumexp), (query, key, value, attn_mask, out, logsumexp)
+
+
+def _full_attention_backward(is_causal, scale, precision, residuals, cotangents):
+    query, key, value, attn_mask, out, logsumexp = residuals
+    grad_out, grad_logsumexp = cotangents
+    accumulator = _accumulator(query.dtype)
+    grad_out = grad_out.astype(accumulator)
+    scores = _scores(query, key, attn_mask, is_causal, scale, precision)
+    probabilities = jnp.exp(scores - logsumexp[..., None])  # 0 on masked entries and fully masked rows
+    # delta_r = sum_d dO_rd O_rd: the softmax backward's row term; d logsumexp_r / d score_rk = p_rk.
+    delta = jnp.sum(grad_out * out, axis=-1) - grad_logsumexp.astype(accumulator)
+    grad_value = jnp.einsum("...qk,...qd->...kd", probabilities, grad_out, precision=precision, preferred_element_type=accumulator)
+    grad_probabilities = jnp.einsum(
+        "...qd,...kd->...qk", grad_out, value.astype(accumulator), precision=precision, preferred_element_type=accumulator
+    )
+    grad_masked = probabilities * (grad_probabilities - delta[..., None])
+    grad_scores = grad_masked * jnp.asarray(scale, dtype=accumulator)
+    grad_query = jnp.einsum(
+        "...qk,...kd->...qd", grad_scores, key.astype(accumulator), precision=precision, preferred_element_type=accumulator
+    )
+    grad_key = jnp.einsum(
+        "...qk,...qd->...kd", grad_scores, query.astype(accumulator), precision=precision, preferred_element_type=accumulator
+    )
+    if attn_mask is None:
+        grad_mask = None
+    elif attn_mask.dtype == jnp.bool_:
+        grad_mask = np.zeros(attn_mask.shape, dtype=jax.dtypes.float0)
+    else:
+        grad_mask = _sum_to_shape(grad_masked, attn_mask.shape).astype(attn_mask.dtype)
+    return grad_query.astype(query.dtype), grad_key.astype(key.dtype), grad_value.astype(value.dtype), grad_mask
+
+
+def _sum_to_shape(value, shape):
+    """Sum a broadcast result back to the shape of the operand that was broadcast."""
+    lead = value.ndim - len(shape)
+    axes = tuple(range(lead)) + tuple(lead + i for i, size in enumerate(shape) if size == 1 and value.shape[lead + i] != 1)
+    return jnp.sum(value, axis=axes, keepdims=True).reshape(shape) if axes else value
+
+
+_full_attention.defvjp(_full_attention_forward, _full_attention_backward)
 
 
 def _causal_block(query, key, is_causal, attn_mask):
@@ -225,10 +284,9 @@ def scaled_dot_product_flash_attention_for_cpu(
 ):
     _check_dropout(dropout_p)
     fused = _cudnn_output(query, key, value, is_causal, attn_mask, scale)
-    # Beside cuDNN's output, the logsumexp output goes unused and XLA drops its computation; a
-    # custom_vjp (the blocked path) would still run its backward on zero cotangents.
+    # Beside cuDNN's output, the logsumexp output goes unused and XLA drops its computation.
     out, logsumexp = _attention(
-        query, key, value, is_causal=is_causal, attn_mask=attn_mask, scale=scale, blocks=fused is None
+        query, key, value, is_causal=is_causal, attn_mask=attn_mask, scale=scale, plain=fused is not None
     )
     return (out if fused is None else fused), logsumexp
 

@@ -119,6 +119,8 @@ def assert_consistent(report):
                 assert op[key]["percent"] == round(100.0 * passed / total, 2)
         statuses = collections.Counter(s for row in rows for phase in ("forward", "backward") for s in row[phase].values())
         assert op["statuses"] == dict(statuses)
+        if "passed_by_precision_rule" in op:
+            assert op["passed_by_precision_rule"] == sum(len(row["precise_records"]) for row in rows)
     if "moduleinfo" in totals:
         by_module = collections.defaultdict(list)
         for row in report["moduleinfo"]:
@@ -132,8 +134,28 @@ def assert_consistent(report):
                 passing += all(s == harness.PASS for s in counted_statuses)
         rate = totals["moduleinfo"]["modules_pass_forward_and_backward"]
         assert (rate["passed"], rate["total"]) == (passing, counted)
+        by_rule = {module for module, rows in by_module.items() if any(row["precise_records"] for row in rows)}
+        assert set(totals["moduleinfo"].get("passing_by_precision_rule", [])) <= by_rule
     for namespace, entry in totals["surface"].items():
         rows = [row for row in report["surface"] if row["namespace"] == namespace]
         assert entry["functions"] == len(rows)
         counts = collections.Counter(row["status"] for row in rows)
         assert entry["by_status"] == {status: counts.get(status, 0) for status in coverage.STATUS_ORDER}
+
+
+def test_float64_judge_follows_test_ops_rule():
+    """A sample outside the tolerance passes when its summed error against float64 is at most
+    torch's (test_ops' _ref_test_helper); otherwise it is rounding (largest error within twice
+    torch's) or a mismatch."""
+    import torch
+
+    exact = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
+    torch_result = torch.tensor([1.0 + 2e-6, 2.0, 3.0 - 2e-6])
+    closer = torch.tensor([1.0 - 2e-6, 2.0 + 1e-6, 3.0])
+    assert harness.judge_against_float64(closer, torch_result, exact)[0] == "precise"
+    somewhat_further = torch.tensor([1.0 + 3e-6, 2.0 + 3e-6, 3.0])
+    assert harness.judge_against_float64(somewhat_further, torch_result, exact)[0] == "rounding"
+    far = torch.tensor([1.0 + 1e-4, 2.0, 3.0])
+    assert harness.judge_against_float64(far, torch_result, exact)[0] == "mismatch"
+    nan_where_torch_has_a_number = torch.tensor([float("nan"), 2.0, 3.0])
+    assert harness.judge_against_float64(nan_where_torch_has_a_number, torch_result, exact) is None
