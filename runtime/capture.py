@@ -346,6 +346,8 @@ def _build(program, options):
             floats, aux = differentiable(d_roots, d_inputs, other_roots, other_inputs, key)
             return floats[position], (floats, aux)
 
+        if settings.fused_residuals == "matmuls":
+            scalar = jax.checkpoint(scalar, policy=_KEEP)
         (_, (floats, aux)), gradients = jax.value_and_grad(scalar, argnums=(0, 1), has_aux=True)(diff_roots, diff_inputs)
         return floats, aux, gradients
 

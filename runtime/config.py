@@ -25,6 +25,9 @@ class Settings:
         # the backward recomputes the rest), "all" (every residual of jax.vjp) or "recompute"
         # (nothing; the backward runs the forward again).
         self.residuals = os.environ.get("BRIDGE_RESIDUALS", "matmuls")
+        # Fused runs (forward and gradients in one program), what the forward keeps for the
+        # backward part: "all" (whatever XLA keeps) or "matmuls" (as for split runs).
+        self.fused_residuals = os.environ.get("BRIDGE_FUSED_RESIDUALS", "all")
         # The name scripts see for bridge devices.
         self.device_type = "cuda"
         # 2-d convolutions produce their result channels-last (NHWC), then transpose it to

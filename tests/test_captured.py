@@ -72,7 +72,19 @@ class WithLoss(torch.nn.Module):
         return logits, F.cross_entropy(logits, y)
 
 
-def test_loss_inside_the_model_runs_forward_and_backward_as_one_program(captured):
+@pytest.fixture(params=["all", "matmuls"])
+def fused_residuals(request):
+    """What fused runs keep for their backward part (BRIDGE_FUSED_RESIDUALS): the results must not change."""
+    from runtime.config import settings
+
+    previous, settings.fused_residuals = settings.fused_residuals, request.param
+    try:
+        yield request.param
+    finally:
+        settings.fused_residuals = previous
+
+
+def test_loss_inside_the_model_runs_forward_and_backward_as_one_program(captured, fused_residuals):
     torch.manual_seed(0)
     reference, model = _pair(WithLoss())
     for step in range(4):
