@@ -250,7 +250,9 @@ def moduleinfo_totals(records):
     totals = {
         "modules": len(by_module),
         "modules_pass_forward_and_backward": _rate(len(passing), len(counted_modules)),
-        "passing_by_precision_rule": sorted(module for module in passing if any(_precise(r) for r in by_module[module])),
+        "passing_by_precision_rule": sorted(
+            module for module in passing if any(_precise(r) for r in by_module[module] if _counted(r))
+        ),
         "statuses": dict(collections.Counter(r["status"] for r in records)),
     }
     for phase in (FORWARD, BACKWARD):

@@ -66,15 +66,21 @@ def _chart(headline):
     return "".join(parts)
 
 
-def _mark_cells(statuses, marks, short_dtypes):
+def _mark_cells(statuses, marks, short_dtypes, precise=()):
+    """precise: the "dtype" keys of passes with samples passed by test_ops' float64 rule (≈)."""
     cells = []
     for dtype, short in short_dtypes.items():
         if dtype not in statuses:
             continue
         status = statuses[dtype]
         css = "pass" if status == "pass" else ("fail" if status in ("fail", "timeout") else "other")
-        cells.append(f'<span class="{css}" title="{_escape(dtype)}: {_escape(status)}">{_escape(short)}{_escape(marks[status])}</span>')
+        mark = marks[status] + ("≈" if status == "pass" and dtype in precise else "")
+        cells.append(f'<span class="{css}" title="{_escape(dtype)}: {_escape(status)}">{_escape(short)}{_escape(mark)}</span>')
     return " ".join(cells)
+
+
+def _precise(row, phase):
+    return {where.split("/")[0] for where in row.get("precise_records", ()) if where.endswith("/" + phase)}
 
 
 def _status_class(status):
@@ -180,8 +186,8 @@ def render(report, headline, legend, marks, short_dtypes, status_order):
                     row["entry"],
                     [
                         _escape(row["entry"]),
-                        _mark_cells(row["forward"], marks, short_dtypes),
-                        _mark_cells(row["backward"], marks, short_dtypes),
+                        _mark_cells(row["forward"], marks, short_dtypes, _precise(row, "forward")),
+                        _mark_cells(row["backward"], marks, short_dtypes, _precise(row, "backward")),
                         "<br>".join(f"<code>{_escape(op)}</code>" for op in row["cpu_fallback"]),
                         f"<details><summary>{len(row['details'])} notes</summary>{notes}</details>" if row["details"] else notes,
                     ],
