@@ -91,15 +91,17 @@ def _full_attention_forward(query, key, value, attn_mask, is_causal, scale, prec
     return (out, logsumexp), (query, key, value, attn_mask, out, logsumexp)
 
 
-def _full_attention_backward(is_causal, scale, precision, residuals, cotangents):
-    query, key, value, attn_mask, out, logsumexp = residuals
-    grad_out, grad_logsumexp = cotangents
-    accumulator = _accumulator(query.dtype)
-    grad_out = grad_out.astype(accumulator)
-    scores = _scores(query, key, attn_mask, is_causal, scale, precision)
-    probabilities = jnp.exp(scores - logsumexp[..., None])  # 0 on masked entries and fully masked rows
-    # delta_r = sum_d dO_rd O_rd: the softmax backward's row term; d logsumexp_r / d score_rk = p_rk.
-    delta = jnp.sum(grad_out * out, axis=-1) - grad_logsumexp.astype(accumulator)
+def _row_term(grad_out, out, grad_logsumexp):
+    """delta_r = sum_d dO_rd O_rd, the softmax backward's row term; the logsumexp's cotangent
+    enters with it (d logsumexp_r / d score_rk = p_rk). grad_out in the accumulator dtype."""
+    return jnp.sum(grad_out * out, axis=-1) - grad_logsumexp.astype(grad_out.dtype)
+
+
+def _probability_grads(probabilities, grad_out, delta, query, key, value, scale, precision):
+    """The backward torch's fused kernels run, given the recomputed probabilities of some query
+    rows against some keys: (score gradient before the scale, query, key and value gradients),
+    in the accumulator dtype."""
+    accumulator = grad_out.dtype
     grad_value = jnp.einsum("...qk,...qd->...kd", probabilities, grad_out, precision=precision, preferred_element_type=accumulator)
     grad_probabilities = jnp.einsum(
         "...qd,...kd->...qk", grad_out, value.astype(accumulator), precision=precision, preferred_element_type=accumulator
@@ -111,6 +113,19 @@ def _full_attention_backward(is_causal, scale, precision, residuals, cotangents)
     )
     grad_key = jnp.einsum(
         "...qk,...qd->...kd", grad_scores, query.astype(accumulator), precision=precision, preferred_element_type=accumulator
+    )
+    return grad_masked, grad_query, grad_key, grad_value
+
+
+def _full_attention_backward(is_causal, scale, precision, residuals, cotangents):
+    query, key, value, attn_mask, out, logsumexp = residuals
+    grad_out, grad_logsumexp = cotangents
+    grad_out = grad_out.astype(_accumulator(query.dtype))
+    scores = _scores(query, key, attn_mask, is_causal, scale, precision)
+    probabilities = jnp.exp(scores - logsumexp[..., None])  # 0 on masked entries and fully masked rows
+    delta = _row_term(grad_out, out, grad_logsumexp)
+    grad_masked, grad_query, grad_key, grad_value = _probability_grads(
+        probabilities, grad_out, delta, query, key, value, scale, precision
     )
     if attn_mask is None:
         grad_mask = None
@@ -195,9 +210,7 @@ def _blocked_causal_backward(scale, block, precision, residuals, cotangents):
     grad_out, grad_logsumexp = cotangents
     accumulator = _accumulator(query.dtype)
     grad_out = grad_out.astype(accumulator)
-    # d logsumexp_r / d score_rk = p_rk: the logsumexp's cotangent enters with the row term.
-    # delta_r = sum_d dO_rd O_rd: the softmax backward's row term.
-    delta = jnp.sum(grad_out * out, axis=-1) - grad_logsumexp.astype(accumulator)
+    delta = _row_term(grad_out, out, grad_logsumexp)
     grad_query = []
     grad_key = jnp.zeros(key.shape, accumulator)
     grad_value = jnp.zeros(value.shape, accumulator)
@@ -205,25 +218,12 @@ def _blocked_causal_backward(scale, block, precision, residuals, cotangents):
         stop = start + block
         q = query[..., start:stop, :]
         probabilities, _ = _block_probabilities(q, key, start, stop, scale, precision, logsumexp[..., start:stop])
-        do = grad_out[..., start:stop, :]
-        grad_value = grad_value.at[..., :stop, :].add(
-            jnp.einsum("...qk,...qd->...kd", probabilities, do, precision=precision, preferred_element_type=accumulator)
+        _, block_query, block_key, block_value = _probability_grads(
+            probabilities, grad_out[..., start:stop, :], delta[..., start:stop], q, key[..., :stop, :], value[..., :stop, :], scale, precision
         )
-        grad_probabilities = jnp.einsum(
-            "...qd,...kd->...qk", do, value[..., :stop, :].astype(accumulator), precision=precision, preferred_element_type=accumulator
-        )
-        grad_scores = probabilities * (grad_probabilities - delta[..., start:stop, None])
-        grad_scores = grad_scores * jnp.asarray(scale, dtype=accumulator)
-        grad_query.append(
-            jnp.einsum(
-                "...qk,...kd->...qd", grad_scores, key[..., :stop, :].astype(accumulator), precision=precision, preferred_element_type=accumulator
-            )
-        )
-        grad_key = grad_key.at[..., :stop, :].add(
-            jnp.einsum(
-                "...qk,...qd->...kd", grad_scores, q.astype(accumulator), precision=precision, preferred_element_type=accumulator
-            )
-        )
+        grad_query.append(block_query)
+        grad_key = grad_key.at[..., :stop, :].add(block_key)
+        grad_value = grad_value.at[..., :stop, :].add(block_value)
     grad_query = jnp.concatenate(grad_query, axis=-2)
     return grad_query.astype(query.dtype), grad_key.astype(key.dtype), grad_value.astype(value.dtype)
 

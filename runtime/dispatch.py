@@ -413,7 +413,7 @@ def _view_plan(func, mapping):
         base = args[0]
         if not isinstance(base, BridgeTensor):
             return out
-        root = base._root if base._root is not None else base
+        root = root_of(base)
         rest = args[1:]
         if identity and out.shape == base.shape:
             _make_view(out, root, base._chain)
