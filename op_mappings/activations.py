@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from runtime.dtypes import DEFAULT, INT_TO_FLOAT, NO_OPMATH
-from runtime.registry import aten, register_mapping
+from runtime.registry import MAPPINGS, aten, differentiate_as_torch, register_mapping
 
 
 # Scalar parameters (slopes, thresholds) never take part in promotion: torch keeps the input's dtype.
@@ -121,6 +121,25 @@ def gelu_backward(grad_output, self, *, approximate="none"):
 @register_mapping(aten.silu.default, promote=INT_TO_FLOAT, operands=SELF)
 def silu(self):
     return self * jax.nn.sigmoid(self)
+
+
+# In captured regions the gradients of GELU and SiLU keep only their input, as torch's do
+# (JAX differentiating the tanh GELU keeps four tensors of its size).
+def _save_input(args, kwargs, out):
+    return (args[0],)
+
+
+def _gelu_pullback(saved, grad, args, kwargs):
+    approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    return (MAPPINGS[aten.gelu_backward.default].call(grad, saved[0], approximate=approximate),)
+
+
+def _silu_pullback(saved, grad, args, kwargs):
+    return (MAPPINGS[aten.silu_backward.default].call(grad, saved[0]),)
+
+
+differentiate_as_torch(aten.gelu.default, _save_input, _gelu_pullback)
+differentiate_as_torch(aten.silu.default, _save_input, _silu_pullback)
 
 
 @register_mapping(aten.silu_backward.default, promote=INT_TO_FLOAT, operands=GRAD_AND_SELF)

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from runtime import config
-from runtime.registry import aten, register_mapping
+from runtime.registry import MAPPINGS, aten, differentiate_as_torch, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -272,6 +272,26 @@ def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, 
     if bias is not None:
         grad_bias = jnp.sum(grad, axis=batch_axes).astype(bias.dtype)
     return _masked((grad_input.astype(input.dtype), grad_weight, grad_bias), output_mask)
+
+
+# In captured regions layer norm's gradient keeps the input and the statistics, as torch's
+# does, instead of JAX's intermediate values (the centred and the normalized input).
+def _layer_norm_saved(args, kwargs, out):
+    input, _, weight, bias, _ = args
+    return input, weight, bias, out[1], out[2]
+
+
+def _layer_norm_pullback(saved, grads, args, kwargs):
+    input, weight, bias, mean, rstd = saved
+    normalized_shape = args[1]
+    mask = (True, weight is not None, bias is not None)
+    grad_input, grad_weight, grad_bias = MAPPINGS[aten.native_layer_norm_backward.default].call(
+        grads[0], input, normalized_shape, mean, rstd, weight, bias, mask
+    )
+    return tuple(grad for grad in (grad_input, grad_weight, grad_bias) if grad is not None)
+
+
+differentiate_as_torch(aten.native_layer_norm.default, _layer_norm_saved, _layer_norm_pullback)
 
 
 # ---------------------------------------------------------------- group norm

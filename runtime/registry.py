@@ -10,10 +10,13 @@ that entry bodies are only the computation.
 import dataclasses
 from typing import Callable, Optional
 
+import jax
+import numpy as np
 import torch
 from torch._ops import OpOverload, OpOverloadPacket
 
 from . import dtypes
+from .config import settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +199,62 @@ def register_mapping(*ops, promote=None, operands=None, rng=False, mutates=(), f
         return body
 
     return decorate
+
+
+def differentiate_as_torch(op, save, backward):
+    """Inside captured regions, have JAX differentiate `op`'s mapping as torch's autograd does.
+
+    JAX differentiating a mapping's body keeps whatever intermediate values the body's
+    primitives need (a tanh GELU keeps four tensors the size of its input) and rounds the
+    gradient its own way. With this, the mapping gets a custom vjp: the forward keeps what
+    torch's derivative formula saves, `save(args, kwargs, out)` (a tuple of arrays), and the
+    backward is that formula, `backward(saved, cotangent, args, kwargs)`, which returns the
+    gradient of each array argument in order (None: zeros). In `args` and `kwargs` the
+    backward sees the op's arguments, its arrays replaced by their `jax.ShapeDtypeStruct`s.
+    Outside captured regions nothing changes: torch's autograd calls the backward op itself.
+    """
+    mapping = MAPPINGS[op]
+    inner = mapping.call
+
+    def call(*args, **kwargs):
+        if not settings.tracing:
+            return inner(*args, **kwargs)
+        leaves, tree = jax.tree_util.tree_flatten((args, kwargs))
+        positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, jax.Array)]
+
+        def rebuild(arrays):
+            filled = list(leaves)
+            for position, array in zip(positions, arrays):
+                filled[position] = array
+            return jax.tree_util.tree_unflatten(tree, filled)
+
+        avals = [jax.ShapeDtypeStruct(leaves[position].shape, leaves[position].dtype) for position in positions]
+        statics = rebuild(avals)
+
+        @jax.custom_vjp
+        def function(*arrays):
+            inner_args, inner_kwargs = rebuild(arrays)
+            return inner(*inner_args, **inner_kwargs)
+
+        def forward(*arrays):
+            inner_args, inner_kwargs = rebuild(arrays)
+            out = inner(*inner_args, **inner_kwargs)
+            return out, save(inner_args, inner_kwargs, out)
+
+        def pull(saved, cotangent):
+            grads = backward(saved, cotangent, *statics)
+            return tuple(_cotangent(grad, aval.shape, aval.dtype) for grad, aval in zip(grads, avals))
+
+        function.defvjp(forward, pull)
+        return function(*(leaves[position] for position in positions))
+
+    MAPPINGS[op] = dataclasses.replace(mapping, call=call)
+
+
+def _cotangent(grad, shape, dtype):
+    if not jax.numpy.issubdtype(dtype, jax.numpy.inexact):
+        return np.zeros(shape, jax.dtypes.float0)  # what JAX takes for integer arguments
+    return jax.numpy.zeros(shape, dtype) if grad is None else grad.astype(dtype)
 
 
 def _is_derived_variant(op):

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from compat.harness import judge_against_float64
 from runtime import capture
 
 
@@ -652,3 +653,51 @@ def test_captured_modules_are_freed_with_their_programs(captured):
         del model
     gc.collect()
     assert [ref() for ref in alive] == [None, None, None]
+
+
+_TORCH_SAVED = [
+    # (layer after a Linear(8, 32), activation-sized tensors torch's autograd keeps for it)
+    (lambda: torch.nn.GELU(approximate="tanh"), 1),
+    (lambda: torch.nn.GELU(), 1),
+    (lambda: torch.nn.SiLU(), 1),
+    (lambda: torch.nn.LayerNorm(32), 1),
+    (lambda: torch.nn.LayerNorm(32, elementwise_affine=False), 1),
+]
+
+
+@pytest.mark.parametrize("make, saved", _TORCH_SAVED, ids=["gelu-tanh", "gelu", "silu", "layer-norm", "layer-norm-plain"])
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_activations_and_layer_norm_keep_what_torch_keeps(captured, monkeypatch, make, saved, autocast):
+    """In a captured region GELU, SiLU and layer norm are differentiated by torch's formulas
+    (runtime.registry.differentiate_as_torch): the backward keeps their input, as torch's autograd
+    does, not JAX's intermediate values (a tanh GELU differentiated by JAX keeps four tensors
+    of its size), and the gradients are torch's."""
+    import jax
+
+    from runtime.config import settings
+
+    monkeypatch.setattr(settings, "residuals", "all")  # every residual JAX would keep
+    torch.manual_seed(0)
+    reference, model = _pair(torch.nn.Sequential(torch.nn.Linear(8, 32), make()))
+    exact = copy.deepcopy(reference).double()
+    x, projection = torch.randn(4, 8), torch.randn(4, 32)
+    outs = []
+    for net, device in ((reference, "cpu"), (model, "cuda")):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
+            out = net(x.to(device))
+        (out.float() * projection.to(device)).sum().backward()  # a loss outside the region: split runs
+        outs.append(out)
+    residuals = jax.tree_util.tree_leaves(outs[1].grad_fn.pullback)
+    assert sum(tuple(value.shape) == (4, 32) for value in residuals) == saved
+    grads = [[p.grad.cpu() for p in net.parameters()] for net in (model, reference)]
+    if not autocast:
+        torch.testing.assert_close(outs[1].cpu(), outs[0].detach(), rtol=1e-5, atol=1e-6)
+        for grad, grad_ref in zip(*grads):
+            torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-6)
+    else:
+        # bfloat16 gradients round differently from torch's CPU autocast kernels: held to
+        # test_ops' rule, at least as close to the float64 gradients as torch's.
+        (exact(x.double()) * projection.double()).sum().backward()
+        truth = [p.grad for p in exact.parameters()]
+        assert judge_against_float64(grads[0], grads[1], truth)[0] == "precise"
+    assert not capture.breaks
