@@ -13,6 +13,7 @@ max_memory_allocated, or JAX's peak_bytes_in_use of the device.
 
 import argparse
 import functools
+import gc
 import json
 import os
 import platform
@@ -111,11 +112,21 @@ def setup(workload, precision, case, tiny):
 def worker(workload, precision, case, steps, tiny):
     """Run one case in this process; returns its measurements."""
     step, kind = setup(workload, precision, case, tiny)
-    times, losses = [], []
+    times, losses, pauses = [], [], []
+
+    def garbage_collection(phase, info, started=[0.0]):  # full collections: step and ms
+        if info["generation"] == 2:
+            if phase == "start":
+                started[0] = time.perf_counter()
+            else:
+                pauses.append([len(times), round((time.perf_counter() - started[0]) * 1e3, 1)])
+
+    gc.callbacks.append(garbage_collection)
     for _ in range(steps):
         start = time.perf_counter()
         losses.append(step())
         times.append(time.perf_counter() - start)
+    gc.callbacks.remove(garbage_collection)
     steady = times[len(times) // 2 :] if len(times) > 1 else times
     result = {
         "workload": workload,
@@ -129,6 +140,7 @@ def worker(workload, precision, case, steps, tiny):
         "step_times_ms": [round(t * 1e3, 2) for t in times[1:]],
         "peak_memory_gib": (_peak_memory(kind) or 0) / 2**30 or None,
         "losses": [losses[0], losses[-1]],
+        "full_garbage_collections": pauses,  # [step index (0: the first step), ms]
     }
     if case.startswith("bridge"):
         from runtime import capture
