@@ -57,15 +57,10 @@ FFT_ROUNDING = (
     "rounding: XLA's FFT and pocketfft round differently on outputs that sum 360 terms; the bridge's result is "
     "as close to the float64 one as torch's (float32: 2.3e-5 against 2.2e-5)"
 )
-UPSAMPLE_LOW_PRECISION = (
-    "rounding: the forward runs torch's own decomposition through the bridge's tables; in bfloat16/float16 "
-    "it is closer to the float64 result than torch's CPU kernel (largest errors on the failing samples: "
-    "the bridge's {bridge}, torch's {torch})"
-)
 
-GRID_GRADIENT_FLOAT32 = (
-    "rounding: the float32 grid gradient of bicubic samples; the bridge's and torch's are both about 1e-4 from "
-    "the float64 one (bridge 7.5e-5 to 1.3e-4, torch 8.3e-5 to 1.3e-4)"
+
+FULL_SWEEP_ROUNDING = (
+    "rounding: {what}; largest error against float64: the bridge's {bridge}, torch's {torch} (summed: {summed})"
 )
 
 CHUNKED_CROSS_ENTROPY = (
@@ -87,6 +82,17 @@ OPINFO = {
             "float32; the bridge's results are checked against the meta kernel",
             F16,
             FORWARD,
+            kinds=("dtype",),
+        )
+    ],
+    "_batch_norm_with_update": [
+        ExpectedFailure(
+            "torch's CPU kernel returns the saved mean and inverse std in bfloat16/float16 when the weight and "
+            "running statistics are of the input's dtype, its meta kernel (and CUDA) in float32; the bridge "
+            "follows the meta kernel (samples with float32 statistics pass)",
+            F16,
+            FORWARD,
+            quick=False,
             kinds=("dtype",),
         )
     ],
@@ -127,35 +133,38 @@ OPINFO = {
             FORWARD,
         ),
         ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.complex64,), FORWARD, kinds=("rounding",)),
-        ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.float32,), BACKWARD, kinds=("rounding",)),
+        ExpectedFailure(
+            "float32 gradients: the first sample's is rounding (bridge 0.0057 from the float64 one at most, torch "
+            "0.0064); the batched sample's is 0.072 from the float64 one at most "
+            "(0.70 summed), torch's 0.011 (0.14): the derivative of jax.scipy's Pade approximant loses more "
+            "in float32 than torch's derivative of its Taylor polynomial",
+            (torch.float32,),
+            BACKWARD,
+            kinds=("rounding", "mismatch"),
+        ),
         ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.float32,), FORWARD, quick=False, kinds=("rounding",)),
+    ],
+    "nn.functional.soft_margin_loss": [
+        ExpectedFailure(
+            "torch's CPU kernel computes log(1 + exp(-y x)) in float16 and overflows to inf (5 of 6 samples; "
+            "float64: 7.64, torch inf); the bridge's result (7.64) is the float64 one rounded",
+            (torch.float16,),
+            FORWARD,
+            quick=False,
+        )
     ],
     # ---- rounding (the sweep re-judges these against float64 each run: kinds=("rounding",)); a
     # sample at least as close to float64 as torch's passes by test_ops' rule and is not listed
-    "nn.functional.grid_sample": [
-        ExpectedFailure(GRID_GRADIENT_FLOAT32, (torch.float32,), BACKWARD, quick=False, kinds=("rounding",)),
-    ],
-    "grid_sampler_2d": [
-        ExpectedFailure(GRID_GRADIENT_FLOAT32, (torch.float32,), BACKWARD, quick=False, kinds=("rounding",)),
-    ],
     "linalg.lstsq.grad_oriented": [
         ExpectedFailure(
-            "rounding: float32 gradients of batched 4x3 samples (through pinv's SVD) differ from torch's by up to "
-            "1.1e-4 and are about as close to the float64 ones (9.5e-5 against torch's 6.8e-5 to 8.3e-5)",
+            "float32 gradients of batched 4x3 samples (through pinv's SVD): on 5 of 36 samples the bridge's "
+            "largest error against float64 is 2 to 3 times torch's (4.6e-5 to 9.5e-5 against 1.7e-5 to 4.5e-5; "
+            "summed 1.4e-4 to 1.8e-3 against 1.1e-4 to 1.5e-3): JAX's SVD and its derivative round worse "
+            "than torch's LAPACK path in float32",
             (torch.float32,),
             BACKWARD,
             quick=False,
-            kinds=("rounding",),
-        )
-    ],
-    "linalg.householder_product": [
-        ExpectedFailure(
-            "rounding: float32 gradients of samples with large tau (4.3, -4.4) differ from torch's by up to 2.6e-3 "
-            "(of 65) and are as close to the float64 ones (2.9e-3 against torch's 5.5e-3)",
-            (torch.float32,),
-            BACKWARD,
-            quick=False,
-            kinds=("rounding",),
+            kinds=("rounding", "mismatch"),
         )
     ],
     "triangular_solve": [
@@ -177,24 +186,55 @@ OPINFO = {
             kinds=("rounding",),
         )
     ],
-    "nn.functional.embedding_bag": [
+    # Measured in the full sweep of 2026-11-23: the bridge's largest error against float64 within twice
+    # torch's, its summed error above torch's, on one sample or element each.
+    "nn.functional.conv2d": [
         ExpectedFailure(
-            "rounding: the float16 sample with max_norm and per_sample_weights; the bridge renormalizes and sums in "
-            "float32, and its largest error against float64 is 1.3e-3 where torch's CPU result's is 3.5e-3",
-            (torch.float16,),
+            FULL_SWEEP_ROUNDING.format(what="one element of one float32 sample (one of 144), one of a complex64 sample", bridge="1.7e-5 / 4.5e-5", torch="1.7e-5 / 3.8e-5", summed="4.9e-4 and 1.9e-3 against 3.6e-4 and 1.5e-3"),
+            (torch.float32, torch.complex64),
             FORWARD,
             quick=False,
             kinds=("rounding",),
         )
     ],
-    "nn.functional.interpolate.linear": [ExpectedFailure(UPSAMPLE_LOW_PRECISION.format(bridge="5e-3", torch="3.6e-2"), F16, FORWARD, quick=False, kinds=("rounding",))],
-    "nn.functional.interpolate.bicubic": [ExpectedFailure(UPSAMPLE_LOW_PRECISION.format(bridge="3.1e-2", torch="6.1e-2"), F16, FORWARD, quick=False, kinds=("rounding",))],
-    "nn.functional.interpolate.trilinear": [ExpectedFailure(UPSAMPLE_LOW_PRECISION.format(bridge="1.2e-2", torch="5.1e-2"), F16, FORWARD, quick=False, kinds=("rounding",))],
+    "__rpow__": [
+        ExpectedFailure(
+            FULL_SWEEP_ROUNDING.format(what="one element of magnitude 7e8 of a complex64 sample", bridge="9.3e2", torch="6.9e2", summed="942 against 696"),
+            (torch.complex64,),
+            FORWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
+    "nn.functional.multi_head_attention_forward": [
+        ExpectedFailure(
+            FULL_SWEEP_ROUNDING.format(what="6 of 192 float32 samples", bridge="7.5e-5", torch="4.7e-5", summed="3.7e-4 against 3.0e-4"),
+            (torch.float32,),
+            FORWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
+    "linalg.pinv.hermitian": [
+        ExpectedFailure(
+            FULL_SWEEP_ROUNDING.format(what="the gradient of one float32 sample of 8 (through eigh)", bridge="6.2e-5", torch="5.4e-5", summed="5.7e-4 against 2.2e-4"),
+            (torch.float32,),
+            BACKWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
+    "stft": [
+        ExpectedFailure(
+            FULL_SWEEP_ROUNDING.format(what="the gradient of one float32 sample of 9 (through XLA's FFT)", bridge="9.1e-5", torch="4.6e-5", summed="9.7e-4 against 7.1e-4"),
+            (torch.float32,),
+            BACKWARD,
+            quick=False,
+            kinds=("rounding",),
+        )
+    ],
     "nn.functional.linear_cross_entropy": [
         ExpectedFailure(CHUNKED_CROSS_ENTROPY.format(errors="bfloat16: bridge 4.5e-2, torch 4.3e-2; float16: both 3.3e-3"), F16, FORWARD, quick=False, kinds=("rounding",))
-    ],
-    "nn.functional.linear_cross_entropy.chunked": [
-        ExpectedFailure(CHUNKED_CROSS_ENTROPY.format(errors="float16: bridge 3.6e-5, torch 3.3e-4"), (torch.float16,), FORWARD, quick=False, kinds=("rounding",))
     ],
 }
 

@@ -410,8 +410,8 @@ def judge_against_float64(actual, expected, truth):
         if not (torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())):
             return None
         finite = exact.isfinite() & want.isfinite()
-        if not torch.equal(got[~finite], want[~finite]):
-            return None
+        if not torch.equal(got[~finite].nan_to_num(0.0, 1.0, -1.0), want[~finite].nan_to_num(0.0, 1.0, -1.0)):
+            return None  # NaNs matched above; infinities must be the same, sign included
         if finite.any():
             bridge_off = (got[finite] - exact[finite]).abs()
             torch_off = (want[finite] - exact[finite]).abs()

@@ -159,3 +159,8 @@ def test_float64_judge_follows_test_ops_rule():
     assert harness.judge_against_float64(far, torch_result, exact)[0] == "mismatch"
     nan_where_torch_has_a_number = torch.tensor([float("nan"), 2.0, 3.0])
     assert harness.judge_against_float64(nan_where_torch_has_a_number, torch_result, exact) is None
+    # NaN and infinity where torch and float64 have them too (masked rows): judged on the rest.
+    exact = torch.tensor([float("nan"), float("-inf"), 1.0], dtype=torch.float64)
+    torch_result = torch.tensor([float("nan"), float("-inf"), 1.0 + 2e-6])
+    assert harness.judge_against_float64(torch.tensor([float("nan"), float("-inf"), 1.0]), torch_result, exact)[0] == "precise"
+    assert harness.judge_against_float64(torch.tensor([float("nan"), float("inf"), 1.0]), torch_result, exact) is None
