@@ -112,9 +112,10 @@ def setup(workload, precision, case, tiny):
 def worker(workload, precision, case, steps, tiny):
     """Run one case in this process; returns its measurements."""
     step, kind = setup(workload, precision, case, tiny)
-    times, losses, pauses = [], [], []
+    times, losses = [], []
+    pauses, started = [], [0.0]  # full garbage collections: [step index, ms]; the current one's start
 
-    def garbage_collection(phase, info, started=[0.0]):  # full collections: step and ms
+    def garbage_collection(phase, info):
         if info["generation"] == 2:
             if phase == "start":
                 started[0] = time.perf_counter()

@@ -288,7 +288,9 @@ def _layer_norm_pullback(saved, grads, args, kwargs):
     grad_input, grad_weight, grad_bias = MAPPINGS[aten.native_layer_norm_backward.default].call(
         grads[0], input, normalized_shape, mean, rstd, weight, bias, mask
     )
-    return tuple(grad for grad in (grad_input, grad_weight, grad_bias) if grad is not None)
+    # One gradient per array argument: the weight and the bias only where they were given.
+    present = (True, weight is not None, bias is not None)
+    return tuple(grad for grad, given in zip((grad_input, grad_weight, grad_bias), present) if given)
 
 
 differentiate_as_torch(aten.native_layer_norm.default, _layer_norm_saved, _layer_norm_pullback)
