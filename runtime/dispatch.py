@@ -18,7 +18,7 @@ from .compiled_ops import CompiledEntry
 from .callsite import user_call_site, warn_at_user_site
 from .config import settings
 from .errors import CPUFallbackWarning, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
-from .registry import MAPPINGS
+from .registry import MAPPINGS, Mapping
 from .tensor import BridgeTensor, numpy_to_torch, read_value, root_of, torch_to_numpy, write_value
 from . import tensor as tensor_module
 from .views import ViewStep
@@ -233,15 +233,33 @@ def _alias_plan(args, kwargs):
     return out
 
 
+# In a captured region JAX differentiates the traced body, which torch's autograd does not see:
+# a detached tensor must stop JAX's gradient there (a straight-through estimator's
+# `z + (q - z).detach()`). The step is part of the view's chain, so a value read again from the
+# root after an in-place write is stopped too; positions pass through it unchanged.
+_STOP_GRADIENT = ViewStep(
+    Mapping(aten.detach.default, jax.lax.stop_gradient, jax.lax.stop_gradient, None, False, "shapes"), (), {}, None
+)
+
+
+def _detach_plan(args, kwargs):
+    if not settings.tracing:
+        return _alias_plan(args, kwargs)
+    base = args[0]
+    out = BridgeTensor(jax.lax.stop_gradient(read_value(base)), base._index)
+    _make_view(out, root_of(base), base._chain + (_STOP_GRADIENT,))
+    return out
+
+
 _SHARING_VIEWS = {aten.detach.default, aten.alias.default}
 
 
 def _make_plan(func):
     if func in _SHARING_VIEWS:
-        _plans[func] = _alias_plan
+        plan = _plans[func] = _detach_plan if func == aten.detach.default else _alias_plan
         stats.op_rung[func] = stats.MAPPED
         stats.op_family[func] = "shapes"
-        return _alias_plan
+        return plan
     mapping = MAPPINGS.get(func)
     schema = func._schema
     if mapping is not None:

@@ -701,3 +701,40 @@ def test_activations_and_layer_norm_keep_what_torch_keeps(captured, monkeypatch,
         truth = [p.grad for p in exact.parameters()]
         assert judge_against_float64(grads[0], grads[1], truth)[0] == "precise"
     assert not capture.breaks
+
+
+class StraightThrough(torch.nn.Module):
+    """A quantizer with a straight-through gradient, and a term whose gradient is stopped."""
+
+    def __init__(self, loss_inside):
+        super().__init__()
+        self.encode = torch.nn.Linear(4, 6)
+        self.codebook = torch.nn.Parameter(torch.randn(5, 6))
+        self.loss_inside = loss_inside
+
+    def forward(self, x):
+        z = self.encode(x)
+        q = self.codebook[torch.cdist(z, self.codebook).argmin(-1)]
+        quantized = z + (q - z).detach()
+        commitment = (z - q.detach()).square().mean() + (z.detach() - q).square().mean()
+        if self.loss_inside:
+            return quantized.square().sum() + commitment
+        return quantized, commitment
+
+
+@pytest.mark.parametrize("loss_inside", [False, True], ids=["split", "fused"])
+def test_detach_inside_a_region_stops_the_gradient(captured, loss_inside):
+    """A straight-through estimator: JAX differentiates the traced region, so `.detach()` in it
+    must stop JAX's gradient as it stops torch's."""
+    torch.manual_seed(0)
+    reference, model = _pair(StraightThrough(loss_inside))
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        for net, device in ((reference, "cpu"), (model, "cuda")):
+            net.zero_grad()
+            out = net(x.to(device))
+            loss = out if loss_inside else out[0].square().sum() + out[1]
+            loss.backward()
+        for p_ref, p in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-6)
+    assert not capture.breaks
