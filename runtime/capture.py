@@ -186,6 +186,7 @@ class Program:
     fused: object = None  # jitted: forward and the gradients of one scalar output
     recompute: object = None  # jitted: the vjp from the primals (after a fused forward)
     speculate: int = None  # the scalar output whose gradients fused runs compute, or None
+    reach: list = None  # per float output, the positions among the differentiated values it depends on
 
 
 def _trace_body(function, program):
@@ -286,6 +287,41 @@ def _compiler_options(jaxpr):
     ):
         return {"xla_gpu_enable_triton_gemm": False}
     return None
+
+
+def _reach(jaxpr, program):
+    """For each float output of a region, the differentiated values (positions in diff_roots
+    then diff_inputs) it depends on through floating-point values and not through a detach:
+    torch's autograd reaches a parameter only along such paths, and leaves the `.grad` of one it
+    does not reach None. Along no such path can JAX's gradient be other than zero, so a None
+    here never drops a gradient. Nested programs (jitted mappings, custom rules) count as
+    depending on all their inputs."""
+    n_roots = len(program.roots)
+    invar_of = [program.diff_roots[k] for k in range(len(program.diff_roots))]
+    invar_of += [n_roots + i for i in program.diff_inputs]
+    position_of = {id(jaxpr.invars[index]): k for k, index in enumerate(invar_of)}
+    n_arrays = len(program.out_float)
+    reach = []
+    for output, is_float in zip(jaxpr.outvars[:n_arrays], program.out_float):
+        if not is_float:
+            continue
+        needed = {id(output)} if isinstance(output, jax_core.Var) else set()
+        for equation in reversed(jaxpr.eqns):
+            if equation.primitive.name != "stop_gradient" and any(id(var) in needed for var in equation.outvars):
+                for var in equation.invars:
+                    if isinstance(var, jax_core.Var) and jax.numpy.issubdtype(var.aval.dtype, jax.numpy.inexact):
+                        needed.add(id(var))
+        reach.append(frozenset(k for key, k in position_of.items() if key in needed))
+    return reach
+
+
+def _gradients_out(program, given, values, index):
+    """Region gradients for torch: None for a differentiated value no output with a gradient
+    reaches (torch leaves such a parameter's `.grad` None), a tensor for the others."""
+    reached = frozenset().union(*(program.reach[position] for position in given)) if program.reach else None
+    return [
+        BridgeTensor(value, index) if reached is None or k in reached else None for k, value in enumerate(values)
+    ]
 
 
 def _uses(jaxpr, primitive):
@@ -479,7 +515,7 @@ class _RegionFunction(torch.autograd.Function):
             else:
                 shape, dtype = ctx.float_avals[program.speculate]
                 d_roots, d_inputs = _scale(ctx.gradients, read_value(_gradient(grad, shape, dtype, index)))
-            return (None, None, *[BridgeTensor(value, index) for value in list(d_roots) + list(d_inputs)])
+            return (None, None, *_gradients_out(program, given, list(d_roots) + list(d_inputs), index))
         grads = [_gradient(grad, shape, dtype, index) for grad, (shape, dtype) in zip(grads, ctx.float_avals)]
         if torch.is_grad_enabled():
             # create_graph=True: the gradients need a graph of their own (double backward).
@@ -496,7 +532,7 @@ class _RegionFunction(torch.autograd.Function):
                 d_roots, d_inputs = program.backward(ctx.pullback, cotangents)
             if len(given) == 1 and ctx.float_avals[given[0]][0] == () and program.speculate is None:
                 program.speculate = given[0]
-        return (None, None, *[BridgeTensor(value, index) for value in list(d_roots) + list(d_inputs)])
+        return (None, None, *_gradients_out(program, given, list(d_roots) + list(d_inputs), index))
 
 
 def mark_ones(tensor):
@@ -667,6 +703,8 @@ class Region:
                 # operations (which XLA options suit them).
                 root_values, input_values = _gather(program, inputs)
                 jaxpr = jax.make_jaxpr(program.body)(root_values, input_values, random.current_key())
+                if program.grad:
+                    program.reach = _reach(jaxpr.jaxpr, program)
                 _build(program, _compiler_options(jaxpr))
                 self._guess_scalar(program)
                 result = run(program, inputs)

@@ -738,3 +738,37 @@ def test_detach_inside_a_region_stops_the_gradient(captured, loss_inside):
         for p_ref, p in zip(reference.parameters(), model.parameters()):
             torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-6)
     assert not capture.breaks
+
+
+class PartlyUsed(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used = torch.nn.Linear(3, 3)
+        self.unused = torch.nn.Linear(3, 3)
+        self.detached = torch.nn.Linear(3, 3)
+        self.aux = torch.nn.Linear(3, 1)
+
+    def forward(self, x):
+        return self.used(x) + self.detached(x).detach(), self.aux(x)
+
+
+@pytest.mark.parametrize("outputs", ["first", "both"])
+def test_parameters_no_gradient_reaches_keep_none_grads(captured, outputs):
+    """torch leaves `.grad` None for a parameter the loss does not reach (unused, detached, or
+    used only by an output the loss leaves out); AdamW then skips it. A zero gradient would
+    make AdamW decay it and move its moments."""
+    torch.manual_seed(0)
+    reference, model = _pair(PartlyUsed())
+    optimizers = [torch.optim.AdamW(net.parameters(), lr=0.1, weight_decay=0.1) for net in (reference, model)]
+    for _ in range(3):
+        x = torch.randn(4, 3)
+        for net, optimizer, device in ((reference, optimizers[0], "cpu"), (model, optimizers[1], "cuda")):
+            optimizer.zero_grad()
+            main, aux = net(x.to(device))
+            loss = main.sum() + (aux.sum() if outputs == "both" else 0)
+            loss.backward()
+            optimizer.step()
+        assert [p.grad is None for p in model.parameters()] == [p.grad is None for p in reference.parameters()]
+        for p_ref, p in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
+    assert not capture.breaks
