@@ -59,9 +59,15 @@ FFT_ROUNDING = (
 )
 
 
-FULL_SWEEP_ROUNDING = (
-    "rounding: {what}; largest error against float64: the bridge's {bridge}, torch's {torch} (summed: {summed})"
-)
+
+
+def _full_sweep_rounding(dtypes, phases, **errors):
+    """A rounding failure found by a full sweep only (its first sample passes): `errors` are
+    what fails and the measured errors against float64 (what, bridge, torch, summed)."""
+    reason = (
+        "rounding: {what}; largest error against float64: the bridge's {bridge}, torch's {torch} (summed: {summed})"
+    ).format(**errors)
+    return [ExpectedFailure(reason, dtypes, phases, quick=False, kinds=("rounding",))]
 
 CHUNKED_CROSS_ENTROPY = (
     "rounding: torch's chunked linear-cross-entropy op rounds its logits through buffers of its own choosing; "
@@ -188,51 +194,36 @@ OPINFO = {
     ],
     # Measured in the full sweep of 2026-11-23: the bridge's largest error against float64 within twice
     # torch's, its summed error above torch's, on one sample or element each.
-    "nn.functional.conv2d": [
-        ExpectedFailure(
-            FULL_SWEEP_ROUNDING.format(what="one element of one float32 sample (one of 144), one of a complex64 sample", bridge="1.7e-5 / 4.5e-5", torch="1.7e-5 / 3.8e-5", summed="4.9e-4 and 1.9e-3 against 3.6e-4 and 1.5e-3"),
-            (torch.float32, torch.complex64),
-            FORWARD,
-            quick=False,
-            kinds=("rounding",),
-        )
-    ],
-    "__rpow__": [
-        ExpectedFailure(
-            FULL_SWEEP_ROUNDING.format(what="one element of magnitude 7e8 of a complex64 sample", bridge="9.3e2", torch="6.9e2", summed="942 against 696"),
-            (torch.complex64,),
-            FORWARD,
-            quick=False,
-            kinds=("rounding",),
-        )
-    ],
-    "nn.functional.multi_head_attention_forward": [
-        ExpectedFailure(
-            FULL_SWEEP_ROUNDING.format(what="6 of 192 float32 samples", bridge="7.5e-5", torch="4.7e-5", summed="3.7e-4 against 3.0e-4"),
-            (torch.float32,),
-            FORWARD,
-            quick=False,
-            kinds=("rounding",),
-        )
-    ],
-    "linalg.pinv.hermitian": [
-        ExpectedFailure(
-            FULL_SWEEP_ROUNDING.format(what="the gradient of one float32 sample of 8 (through eigh)", bridge="6.2e-5", torch="5.4e-5", summed="5.7e-4 against 2.2e-4"),
-            (torch.float32,),
-            BACKWARD,
-            quick=False,
-            kinds=("rounding",),
-        )
-    ],
-    "stft": [
-        ExpectedFailure(
-            FULL_SWEEP_ROUNDING.format(what="the gradient of one float32 sample of 9 (through XLA's FFT)", bridge="9.1e-5", torch="4.6e-5", summed="9.7e-4 against 7.1e-4"),
-            (torch.float32,),
-            BACKWARD,
-            quick=False,
-            kinds=("rounding",),
-        )
-    ],
+    "nn.functional.conv2d": _full_sweep_rounding(
+        (torch.float32, torch.complex64),
+        FORWARD,
+        what="one element of one float32 sample (one of 144), one of a complex64 sample",
+        bridge="1.7e-5 / 4.5e-5",
+        torch="1.7e-5 / 3.8e-5",
+        summed="4.9e-4 and 1.9e-3 against 3.6e-4 and 1.5e-3",
+    ),
+    "__rpow__": _full_sweep_rounding(
+        (torch.complex64,), FORWARD, what="one element of magnitude 7e8 of a complex64 sample", bridge="9.3e2", torch="6.9e2", summed="942 against 696"
+    ),
+    "nn.functional.multi_head_attention_forward": _full_sweep_rounding(
+        (torch.float32,), FORWARD, what="6 of 192 float32 samples", bridge="7.5e-5", torch="4.7e-5", summed="3.7e-4 against 3.0e-4"
+    ),
+    "linalg.pinv.hermitian": _full_sweep_rounding(
+        (torch.float32,),
+        BACKWARD,
+        what="the gradient of one float32 sample of 8 (through eigh)",
+        bridge="6.2e-5",
+        torch="5.4e-5",
+        summed="5.7e-4 against 2.2e-4",
+    ),
+    "stft": _full_sweep_rounding(
+        (torch.float32,),
+        BACKWARD,
+        what="the gradient of one float32 sample of 9 (through XLA's FFT)",
+        bridge="9.1e-5",
+        torch="4.6e-5",
+        summed="9.7e-4 against 7.1e-4",
+    ),
     "nn.functional.linear_cross_entropy": [
         ExpectedFailure(CHUNKED_CROSS_ENTROPY.format(errors="bfloat16: bridge 4.5e-2, torch 4.3e-2; float16: both 3.3e-3"), F16, FORWARD, quick=False, kinds=("rounding",))
     ],

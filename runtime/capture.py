@@ -297,8 +297,7 @@ def _reach(jaxpr, program):
     here never drops a gradient. Nested programs (jitted mappings, custom rules) count as
     depending on all their inputs."""
     n_roots = len(program.roots)
-    invar_of = [program.diff_roots[k] for k in range(len(program.diff_roots))]
-    invar_of += [n_roots + i for i in program.diff_inputs]
+    invar_of = list(program.diff_roots) + [n_roots + i for i in program.diff_inputs]
     position_of = {id(jaxpr.invars[index]): k for k, index in enumerate(invar_of)}
     n_arrays = len(program.out_float)
     reach = []
