@@ -14,12 +14,15 @@ import functools
 
 import jax
 
+from . import config
 from .config import settings
 
 # Static signatures compiled per op before the op runs uncompiled instead.
 MAX_VARIANTS = 12
 
 _ARRAY = object()
+_SCALAR = object()
+_SEQUENCE = object()
 
 _TRACE_ERRORS = (
     jax.errors.ConcretizationTypeError,
@@ -30,26 +33,43 @@ _TRACE_ERRORS = (
 )
 
 
+def _exact(value):
+    """A hashable stand-in for a Python number that tells apart what == does not: 1, 1.0 and
+    True; 0.0 and -0.0 (x * -0.0 gives -0.0); and NaN, which never equals itself."""
+    if isinstance(value, float):
+        return value.hex()
+    if isinstance(value, complex):
+        return (value.real.hex(), value.imag.hex())
+    return value
+
+
+def _from_exact(kind, exact):
+    if issubclass(kind, float):
+        return kind(float.fromhex(exact))
+    if issubclass(kind, complex):
+        return kind(complex(float.fromhex(exact[0]), float.fromhex(exact[1])))
+    return exact
+
+
 def _spec(value, arrays):
     """A hashable description of one argument; its arrays are appended to `arrays`."""
     if isinstance(value, jax.Array):
         arrays.append(value)
         return _ARRAY
     if isinstance(value, (list, tuple)):
-        return (type(value), tuple(_spec(item, arrays) for item in value))
+        return (_SEQUENCE, type(value), tuple(_spec(item, arrays) for item in value))
     if isinstance(value, (bool, int, float, complex)):
-        # 1, 1.0 and True hash alike but promote differently; NaN never equals itself.
-        return (type(value), value if value == value else "nan")
+        return (_SCALAR, type(value), _exact(value))
     return value
 
 
 def _rebuild(spec, arrays):
     if spec is _ARRAY:
         return next(arrays)
-    if type(spec) is tuple and len(spec) == 2 and spec[0] in (list, tuple):
-        return spec[0](_rebuild(item, arrays) for item in spec[1])
-    if type(spec) is tuple and len(spec) == 2 and spec[0] in (bool, int, float, complex):
-        return float("nan") if spec[1] == "nan" else spec[1]
+    if type(spec) is tuple and spec and spec[0] is _SEQUENCE:
+        return spec[1](_rebuild(item, arrays) for item in spec[2])
+    if type(spec) is tuple and spec and spec[0] is _SCALAR:
+        return _from_exact(spec[1], spec[2])
     return spec
 
 
@@ -61,8 +81,8 @@ def _call_with(call, positional_spec, keyword_spec, arrays):
 
 
 def _erase_floats(spec):
-    if type(spec) is tuple and len(spec) == 2 and spec[0] is float:
-        return (float, None)
+    if type(spec) is tuple and spec and spec[0] is _SCALAR and issubclass(spec[1], (float, complex)):
+        return (_SCALAR, spec[1], None)
     if type(spec) is tuple:
         return tuple(_erase_floats(item) for item in spec)
     return spec
@@ -76,21 +96,37 @@ def _returns_only_tensors(op):
 class CompiledEntry:
     """Runs one table entry, compiled per static signature when it can be."""
 
-    __slots__ = ("call", "variants", "enabled", "float_free")
+    __slots__ = ("call", "variants", "enabled", "float_free", "reads_precision")
 
     def __init__(self, op, call):
         self.call = call
         self.variants = {}
         self.float_free = set()  # the signatures compiled so far, with their floats erased
         self.enabled = _returns_only_tensors(op)
+        # Whether the entry's trace read torch's matmul or convolution precision: then its
+        # programs are keyed on those settings too, so that a script changing them mid-run
+        # (torch.set_float32_matmul_precision) gets what it asked for.
+        self.reads_precision = False
+
+    def _key(self, values, keywords, arrays):
+        positional_spec = tuple(_spec(value, arrays) for value in values)
+        keyword_spec = tuple((name, _spec(value, arrays)) for name, value in keywords.items())
+        if self.reads_precision:
+            return (positional_spec, keyword_spec, config.precision_settings())
+        return (positional_spec, keyword_spec)
+
+    def variant(self, values, keywords):
+        """The compiled program that runs these arguments, taking their arrays as one list;
+        None if there is none, or if it depends on more than the arguments."""
+        if not (self.enabled and settings.compile_ops) or self.reads_precision:
+            return None
+        return self.variants.get(self._key(values, keywords, []))
 
     def __call__(self, values, keywords):
         if not (self.enabled and settings.compile_ops) or settings.tracing:
             return self.call(*values, **keywords)
         arrays = []
-        positional_spec = tuple(_spec(value, arrays) for value in values)
-        keyword_spec = tuple((name, _spec(value, arrays)) for name, value in keywords.items())
-        key = (positional_spec, keyword_spec)
+        key = self._key(values, keywords, arrays)
         compiled = self.variants.get(key)
         if compiled is not None:
             try:
@@ -105,11 +141,19 @@ class CompiledEntry:
             self.enabled = float_free not in self.float_free  # varying floats: stop compiling
             return self.call(*values, **keywords)
         self.float_free.add(float_free)
+        positional_spec, keyword_spec = key[:2]
         compiled = jax.jit(functools.partial(_call_with, self.call, positional_spec, keyword_spec))
+        reads = config.precision_reads
         try:
             out = compiled(arrays)
         except _TRACE_ERRORS:
             self.enabled = False
             return self.call(*values, **keywords)
+        if config.precision_reads != reads and not self.reads_precision:
+            # Found out now: the programs compiled so far were keyed without the settings.
+            self.reads_precision = True
+            self.variants.clear()
+            self.float_free = {_erase_floats(key + (config.precision_settings(),))}
+            key = key + (config.precision_settings(),)
         self.variants[key] = compiled
         return out

@@ -49,6 +49,19 @@ settings = Settings()
 KEEP_FOR_BACKWARD = "bridge_keep_for_backward"
 
 
+# Counts the reads of torch's precision settings by mappings (matmul_precision, conv_precision):
+# an op compiled for eager mode whose trace read them keys its programs on precision_settings().
+precision_reads = 0
+
+
+def precision_settings():
+    return (
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+    )
+
+
 def matmul_precision():
     """The `jax.lax.Precision` matching torch's float32 matmul setting.
 
@@ -56,6 +69,9 @@ def matmul_precision():
     or bf16 passes, which XLA's DEFAULT precision gives on GPUs.
     """
     from jax import lax
+
+    global precision_reads
+    precision_reads += 1
 
     if torch.get_float32_matmul_precision() == "highest" and not torch.backends.cuda.matmul.allow_tf32:
         return lax.Precision.HIGHEST
@@ -84,6 +100,8 @@ def conv_precision():
     backend computes DEFAULT in full float32, as torch's CPU kernels do."""
     from jax import lax
 
+    global precision_reads
+    precision_reads += 1
     if not torch.backends.cudnn.allow_tf32:
         return lax.Precision.HIGHEST
     return lax.Precision.DEFAULT

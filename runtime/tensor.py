@@ -21,6 +21,9 @@ from .config import settings
 from .dtypes import JAX_TO_TORCH, TORCH_TO_JAX
 
 
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+
+
 class BridgeTensor(torch.Tensor):
     """A torch tensor living on a JAX device."""
 
@@ -33,22 +36,22 @@ class BridgeTensor(torch.Tensor):
     # _pending: (roots) None, or deferred work that gives the tensor its value when it is next
     #   read or written: a clip_grad_norm_ folded into the optimizer's step (runtime.optimizers.PendingClip)
 
+    # What a new tensor owning its data starts with (instances set their own when they change).
     _pending = None
+    _root = None
+    _chain = ()
+    _seen = 0
+    _generation = 0
 
     @staticmethod
     def __new__(cls, value, index=0, requires_grad=False):
-        tensor = torch.Tensor._make_wrapper_subclass(
-            cls,
-            value.shape,
-            dtype=JAX_TO_TORCH[value.dtype],
-            device="cpu",
-            requires_grad=requires_grad,
-        )
+        # The wrapper's device is torch's default, the CPU; a new tensor is made for each op's
+        # result, so only what differs from the defaults is passed.
+        if requires_grad:
+            tensor = _make_wrapper(cls, value.shape, dtype=JAX_TO_TORCH[value.dtype], requires_grad=True)
+        else:
+            tensor = _make_wrapper(cls, value.shape, dtype=JAX_TO_TORCH[value.dtype])
         tensor._value = value
-        tensor._root = None
-        tensor._chain = ()
-        tensor._seen = 0
-        tensor._generation = 0
         tensor._index = index
         return tensor
 
@@ -182,6 +185,74 @@ class BridgeTensor(torch.Tensor):
 
     def untyped_storage(self):
         return _to_cpu_tensor(self).untyped_storage()
+
+
+# Arithmetic operators on bridge tensors skip torch's dispatcher when it would add nothing: no
+# autograd to record, no autocast, no torch function or dispatch mode, no functorch transform, no
+# inference or forward-mode AD, no region being traced. The dispatcher's way into
+# `__torch_dispatch__` and back costs more than the op's XLA call on a small tensor (4-10 us);
+# these calls reach the same plan (runtime/dispatch.py) with the same arguments as it would.
+# Everything else, and any other operand (a plain tensor, a numpy value), takes torch's way.
+_SCALARS = (int, float, bool)
+
+
+_grad_enabled = torch._C.is_grad_enabled
+_any_autocast = torch._C._is_any_autocast_enabled
+_function_mode = torch._C._is_torch_function_mode_enabled
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_inference_mode = torch._C.is_inference_mode_enabled
+_functorch_layer = torch._C._functorch.peek_interpreter_stack
+_forward_ad = torch.autograd.forward_ad
+
+
+def _dispatcher_adds_nothing(tensor, other):
+    return not (
+        settings.tracing
+        or (_grad_enabled() and (tensor.requires_grad or (type(other) is BridgeTensor and other.requires_grad)))
+        or _any_autocast()
+        or _function_mode()
+        or _dispatch_modes()
+        or _inference_mode()
+        or _functorch_layer() is not None
+        or _forward_ad._current_level >= 0
+    )
+
+
+def _binary_operator(name, overload, reflected):
+    through_torch = getattr(torch.Tensor, name)
+
+    def operator(self, other, *more, **options):
+        kind = type(other)
+        if more or options:  # alpha=, rounding_mode=, out=
+            return through_torch(self, other, *more, **options)
+        if (kind is BridgeTensor or kind in _SCALARS) and _dispatcher_adds_nothing(self, other):
+            if kind is BridgeTensor and other._index != self._index:
+                return through_torch(self, other)  # torch's error for tensors on two devices
+            return _dispatch(overload, (self, other), {})
+        if reflected and isinstance(other, torch.Tensor):
+            # `plain + bridge`: let the left operand's own operator run, as it did before
+            # bridge tensors had operators of their own.
+            return NotImplemented
+        return through_torch(self, other)
+
+    operator.__name__ = operator.__qualname__ = name
+    return operator
+
+
+_aten = torch.ops.aten
+for _name, _overload, _reflected in (
+    ("__add__", _aten.add.Tensor, False),
+    ("__radd__", _aten.add.Tensor, True),
+    ("add", _aten.add.Tensor, False),
+    ("__sub__", _aten.sub.Tensor, False),
+    ("sub", _aten.sub.Tensor, False),
+    ("__mul__", _aten.mul.Tensor, False),
+    ("__rmul__", _aten.mul.Tensor, True),
+    ("mul", _aten.mul.Tensor, False),
+    ("__truediv__", _aten.div.Tensor, False),
+    ("div", _aten.div.Tensor, False),
+):
+    setattr(BridgeTensor, _name, _binary_operator(_name, _overload, _reflected))
 
 
 _dispatch = None  # set by runtime.dispatch

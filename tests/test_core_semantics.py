@@ -367,3 +367,129 @@ def test_tensor_split_at_points_held_by_a_bridge_tensor(bridged):
                 _same(want, got, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="long dtype"):
         torch.tensor_split(x.cuda(), torch.tensor([2.0]).cuda())
+
+
+# ------------------------------------------------------------ the eager path's shortcuts
+
+
+_OPERATOR_CALLS = {
+    "tensor + tensor": lambda a, b: a + b,
+    "tensor + int": lambda a, b: a + 2,
+    "int + tensor": lambda a, b: 2 + a,
+    "float * tensor": lambda a, b: 2.5 * a,
+    "tensor - tensor": lambda a, b: a - b,
+    "tensor / tensor": lambda a, b: a / b,
+    "add with alpha": lambda a, b: a.add(b, alpha=2),
+    "div with rounding mode": lambda a, b: a.div(b, rounding_mode="trunc"),
+    "mul method": lambda a, b: a.mul(b),
+    "sub by keyword": lambda a, b: a.sub(other=b),
+    "tensor + True": lambda a, b: a + True,
+    "plain + bridge": lambda a, b: a.cpu() + b if isinstance(a, BridgeTensor) else a + b,
+    "bridge * plain": lambda a, b: a * b.cpu() if isinstance(b, BridgeTensor) else a * b,
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPERATOR_CALLS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int64])
+def test_arithmetic_operators_match_torch(bridged, name, dtype):
+    # Arithmetic operators on bridge tensors skip torch's dispatcher when it adds nothing
+    # (runtime/tensor.py); the second and third calls take the compiled program's shortcut.
+    call = _OPERATOR_CALLS[name]
+    if dtype is torch.int64 and name in ("float * tensor", "tensor / tensor", "div with rounding mode"):
+        a, b = torch.arange(1, 13).reshape(3, 4), torch.arange(2, 14).reshape(3, 4)
+    else:
+        a, b = (torch.randn(3, 4) * 10).to(dtype), (torch.randn(3, 4) * 10 + 20).to(dtype)
+    want = call(a, b)
+    for _ in range(3):
+        got = call(a.to("cuda"), b.to("cuda"))
+        assert got.device.type == "cuda" and got.dtype == want.dtype
+        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+
+def test_operators_keep_scalar_kinds_and_signed_zeros_apart(bridged):
+    # 1, 1.0 and True hash alike, as do 0.0 and -0.0; the compiled programs must not be shared.
+    ints = torch.arange(4)
+    ones = torch.ones(4)
+    for _ in range(2):
+        assert (ints.to("cuda") + 1).dtype == torch.int64
+        assert (ints.to("cuda") + 1.0).dtype == torch.float32
+        assert (ints.to("cuda") * True).dtype == torch.int64
+        assert not (ones.to("cuda") * 0.0).cpu().signbit().any()
+        assert (ones.to("cuda") * -0.0).cpu().signbit().all()
+        assert torch.equal((ones.to("cuda") * -0.0).cpu(), ones * -0.0)
+
+
+def test_compiled_entries_key_scalars_exactly(bridged):
+    # A fresh entry (a shared one may have stopped compiling floats after other tests' calls).
+    import jax.numpy as jnp
+
+    from runtime.compiled_ops import CompiledEntry
+
+    entry = CompiledEntry(torch.ops.aten.mul.Tensor, jnp.multiply)
+    ones = jnp.ones(4, dtype=jnp.float32)
+    assert not jnp.signbit(entry([ones, 0.0], {})).any()
+    assert jnp.signbit(entry([ones, -0.0], {})).all()
+    assert jnp.issubdtype(entry([jnp.arange(4), 1], {}).dtype, jnp.integer)
+    assert jnp.issubdtype(entry([jnp.arange(4), 1.0], {}).dtype, jnp.floating)
+    assert jnp.isnan(entry([ones, float("nan")], {})).all()
+
+
+def test_operators_read_views_after_writes(bridged):
+    base = torch.zeros(3, 4).to("cuda")
+    row = base[1]
+    for step in range(3):
+        torch.testing.assert_close((row + 1).cpu(), torch.full((4,), float(step) + 1))
+        base.add_(1)
+
+
+def test_operators_still_go_through_autograd_modes_and_autocast(bridged):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    leaf = torch.randn(3).to("cuda").requires_grad_()
+    (leaf * 2 + 1).sum().backward()
+    torch.testing.assert_close(leaf.grad.cpu(), torch.full((3,), 2.0))
+
+    class Recorder(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.ones(3).to("cuda")
+    with Recorder() as recorder:
+        x + x
+        2 * x
+    assert recorder.ops == [torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor]
+    with torch.inference_mode():
+        assert (x + x).is_inference()
+    with pytest.raises(RuntimeError, match="bool tensors is not supported"):
+        torch.ones(2, dtype=torch.bool).to("cuda") - torch.ones(2, dtype=torch.bool).to("cuda")
+
+
+def test_changing_matmul_precision_recompiles_eager_matmuls(bridged, monkeypatch):
+    # An op compiled for eager mode whose trace read torch's precision setting is keyed on it:
+    # a script that changes the setting mid-run gets programs traced under the new one.
+    from runtime import config
+
+    reads = []
+    real = config.matmul_precision
+    monkeypatch.setattr(config, "matmul_precision", lambda: reads.append(1) or real())
+    a, b = torch.randn(8, 8).to("cuda"), torch.randn(8, 8).to("cuda")
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        a @ b
+        a @ b
+        traced = len(reads)
+        assert traced > 0
+        torch.set_float32_matmul_precision("high")
+        a @ b
+        assert len(reads) > traced
+        retraced = len(reads)
+        a @ b
+        assert len(reads) == retraced  # and cached again under the new setting
+    finally:
+        torch.set_float32_matmul_precision(before)
