@@ -113,8 +113,8 @@ def _leaf_key(leaf):
         return ("T", tuple(leaf.shape), leaf.dtype, leaf.requires_grad, leaf._index)
     if isinstance(leaf, torch.Tensor):
         raise GraphBreak("an argument is a tensor on the host CPU, not on the bridge device")
-    if isinstance(leaf, float) and leaf != leaf:
-        return (float, "nan")
+    if isinstance(leaf, float):
+        return (type(leaf), leaf.hex())  # -0.0 is not 0.0 to a program; NaN never equals itself
     if not isinstance(leaf, _STATIC_TYPES):
         # An object passed by identity (a key-value cache, a config) may be changed by the
         # region's Python, which a replay would not run, and hashes by identity, which would
@@ -214,11 +214,20 @@ def _trace_body(function, program):
             torch.clear_autocast_cache()
             _trace = trace
             settings.tracing += 1
+            outer_for_grad = settings.tracing_for_grad
+            settings.tracing_for_grad = program.grad
             try:
-                with torch.no_grad():
+                # The script's grad mode, as in eager torch, so that its `torch.no_grad()`
+                # blocks are seen (runtime.dispatch._cut_from_gradient), with torch's autograd
+                # recording nothing: JAX differentiates the traced body. (A recorded graph would
+                # hold the parameters from any trace tensor a script or an error keeps.) Below
+                # autograd composite ops reach the bridge whole and decompose by torch's own
+                # composite kernels (runtime.dispatch._make_plan), as above it.
+                with torch.set_grad_enabled(program.grad), torch._C._AutoDispatchBelowAutograd():
                     result = function(*args, **kwargs)
             finally:
                 settings.tracing -= 1
+                settings.tracing_for_grad = outer_for_grad
                 _trace = previous_trace
             if trace.free:
                 raise _FreeTensors([entry[0] for entry in trace.free.values()])

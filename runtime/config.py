@@ -20,6 +20,10 @@ class Settings:
         self.mode = os.environ.get("BRIDGE_MODE", "captured")
         # Depth of region traces in progress (runtime/capture.py); table entries then run inline.
         self.tracing = 0
+        # Whether the trace in progress is differentiated (the region was called with grad mode
+        # on): then what the region computes with grad mode off (a `torch.no_grad()` block in
+        # it) is cut from JAX's gradient, as torch's autograd does not record it.
+        self.tracing_for_grad = False
         # Split runs (a region whose outputs get gradients from outside it), what the forward
         # program keeps for the backward: "matmuls" (the results of matmuls and convolutions;
         # the backward recomputes the rest), "all" (every residual of jax.vjp) or "recompute"

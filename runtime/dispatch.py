@@ -7,6 +7,7 @@ checked against torch's meta kernel, which gives torch's own error for bad
 input and catches table entries whose shape or dtype disagree with torch.
 """
 
+import functools
 from time import perf_counter
 
 import jax
@@ -66,7 +67,10 @@ def dispatch(func, args, kwargs):
     stats.op_counts[func] += 1
     start = perf_counter()
     try:
-        return plan(args, kwargs)
+        out = plan(args, kwargs)
+        if settings.tracing_for_grad and settings.tracing and not torch._C.is_grad_enabled():
+            _cut_from_gradient(out, args, kwargs)
+        return out
     finally:
         # Host time, including nested ops of a decomposition (JAX runs asynchronously).
         stats.op_seconds[func] += perf_counter() - start
@@ -254,6 +258,27 @@ def _detach_plan(args, kwargs):
 _SHARING_VIEWS = {aten.detach.default, aten.alias.default}
 
 
+def _stop_gradient_of(tensor):
+    """Cut a tensor made in a trace from JAX's gradient; a view keeps the cut in its chain."""
+    if not jax.numpy.issubdtype(tensor._value.dtype, jax.numpy.inexact):
+        return
+    if tensor._root is None:
+        tensor._value = jax.lax.stop_gradient(tensor._value)
+    else:
+        _make_view(tensor, tensor._root, tensor._chain + (_STOP_GRADIENT,))
+        tensor._value = jax.lax.stop_gradient(tensor._value)
+
+
+def _cut_from_gradient(out, args, kwargs):
+    """An op run with grad mode off inside a differentiated trace: torch's autograd records
+    nothing of it, so its results get no gradient. The arguments it wrote in place (returned
+    as results) keep their own gradient path (runtime.tensor.write_value)."""
+    written = {id(value) for value in _leaves((args, list(kwargs.values()))) if isinstance(value, BridgeTensor)}
+    for value in _leaves(out):
+        if isinstance(value, BridgeTensor) and id(value) not in written:
+            _stop_gradient_of(value)
+
+
 def _make_plan(func):
     if func in _SHARING_VIEWS:
         plan = _plans[func] = _detach_plan if func == aten.detach.default else _alias_plan
@@ -278,10 +303,14 @@ def _make_plan(func):
             plan, rung = _inplace_plan(func, functional), stats.DERIVED
         elif functional is not None and _out_arguments(schema):
             plan, rung = _out_plan(func, functional), stats.DERIVED
+        elif func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
+            # torch's own composite kernel: what runs above autograd in eager torch, so an op
+            # that reaches the bridge whole (inference mode, a captured trace) decomposes into
+            # the same ops as it would have there.
+            composite = functools.partial(func._op_dk, torch._C.DispatchKey.CompositeImplicitAutograd)
+            plan, rung = _decomposed_plan(func, composite), stats.DECOMPOSED
         elif _decomposition(func) is not None:
             plan, rung = _decomposed_plan(func, _decomposition(func)), stats.DECOMPOSED
-        elif torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
-            plan, rung = _decomposed_plan(func, func.decompose), stats.DECOMPOSED
         else:
             plan, rung = _fallback_plan(func), stats.CPU_FALLBACK
     _plans[func] = plan
@@ -301,7 +330,28 @@ def _decomposition(func):
     decomposition = _core_decompositions[0].get(func)
     if decomposition is None:
         decomposition = torch._decomp.decomposition_table.get(func)
+    if decomposition is not None and not _takes_schema_positions(func, decomposition):
+        return None
     return decomposition
+
+
+def _takes_schema_positions(func, decomposition):
+    """Whether a registered decomposition takes the op's positional arguments where its schema
+    puts them. Some are references of the Python function instead: `nll_loss`'s takes
+    (input, target, weight, size_average, ...) where aten.nll_loss has (self, target, weight,
+    reduction, ...), so a reduction of 'sum' became a `size_average` and gave a mean; the
+    references for var/std put `dim` where the schema has `unbiased`. The bridge sees such an
+    op below autograd (torch.inference_mode, a captured trace); its CompositeImplicitAutograd
+    kernel, torch's own, runs instead."""
+    import inspect
+
+    try:
+        parameters = inspect.signature(decomposition).parameters.values()
+    except (TypeError, ValueError):
+        return True
+    names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    schema = [argument.name for argument in func._schema.arguments if not argument.kwarg_only]
+    return all(names.index(name) == position for position, name in enumerate(schema) if name in names)
 
 
 def _writes_self(schema):

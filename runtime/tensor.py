@@ -300,10 +300,31 @@ def read_value(tensor):
     return value
 
 
+@jax.custom_vjp
+def _written_without_grad(old, new):
+    return new
+
+
+def _written_forward(old, new):
+    return new, None
+
+
+def _written_backward(_, gradient):
+    return gradient, jnp.zeros_like(gradient)
+
+
+_written_without_grad.defvjp(_written_forward, _written_backward)
+
+
 def write_value(tensor, value):
     """Replace a tensor's contents (an in-place op's result), through views into the root."""
     if trace_hook is not None:
         trace_hook(tensor)
+    if settings.tracing_for_grad and settings.tracing and not _grad_enabled() and jnp.issubdtype(value.dtype, jnp.inexact):
+        # Written with grad mode off in a differentiated trace (`with torch.no_grad():
+        # weight.mul_(0.5)`): torch's autograd records nothing, so gradients of later uses flow
+        # to the tensor as they would have without the write, and none to what was written.
+        value = _written_without_grad(read_value(tensor), value)
     root = tensor._root
     owner = tensor if root is None else root
     if owner._pending is not None and not settings.tracing:

@@ -772,3 +772,54 @@ def test_parameters_no_gradient_reaches_keep_none_grads(captured, outputs):
         for p_ref, p in zip(reference.parameters(), model.parameters()):
             torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
     assert not capture.breaks
+
+
+class GradModeInside(torch.nn.Module):
+    """What a forward computes with grad mode off: a normalizing scale, a decorated helper, an
+    in-place write to a parameter and to an activation, and a layer used only there."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = torch.nn.Linear(4, 6)
+        self.second = torch.nn.Linear(6, 3)
+        self.only_without_grad = torch.nn.Linear(6, 6)
+
+    @torch.no_grad()
+    def _offset(self, y):
+        return self.only_without_grad(y).mean(0)
+
+    def forward(self, x):
+        y = self.first(x)
+        with torch.no_grad():
+            scale = y.norm()
+            self.second.weight.mul_(0.99)  # a decay applied in the forward pass
+            y.add_(0.5)  # an in-place edit of an activation, not recorded
+        z = y / scale + self._offset(y)
+        with torch.no_grad():
+            view = z[:, :2]
+        with torch.enable_grad():
+            z = z * 2
+        return self.second(z).square().sum() + view.sum()
+
+
+def test_no_grad_blocks_inside_a_region_are_cut_from_the_gradient(captured):
+    """Eager torch records nothing of what a `torch.no_grad()` block computes; JAX, which
+    differentiates the traced region, must not differentiate it either."""
+    torch.manual_seed(0)
+    reference, model = _pair(GradModeInside())
+    for _ in range(3):
+        x = torch.randn(8, 4)
+        losses = []
+        for net, device in ((reference, "cpu"), (model, "cuda")):
+            net.zero_grad()
+            loss = net(x.to(device))
+            loss.backward()
+            losses.append(loss.detach().cpu())
+        torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+        for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
+            assert (p.grad is None) == (p_ref.grad is None), name
+            if p_ref.grad is not None:
+                torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-6, msg=name)
+            torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-6, atol=1e-7)
+    assert not capture.breaks
+    assert reference.only_without_grad.weight.grad is None

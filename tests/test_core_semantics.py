@@ -493,3 +493,27 @@ def test_changing_matmul_precision_recompiles_eager_matmuls(bridged, monkeypatch
         assert len(reads) == retraced  # and cached again under the new setting
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+# ------------------------------------------------------------ below autograd
+
+
+def test_composite_ops_below_autograd_match_torch(bridged):
+    """Under torch.inference_mode torch's autograd layer is skipped, so composite ops such as
+    aten.nll_loss reach the bridge whole. torch's registered Python decompositions of some of
+    them take other positional arguments than the op (a reduction of 'sum' was read as
+    size_average and gave a weighted mean)."""
+    torch.manual_seed(0)
+    logits, target, weight = torch.randn(8, 5), torch.randint(0, 5, (8,)), torch.linspace(0.5, 2.0, 5)
+    calls = [
+        lambda z, y, w: torch.nn.functional.cross_entropy(z, y, weight=w, reduction="sum"),
+        lambda z, y, w: torch.nn.functional.nll_loss(z.log_softmax(1), y, weight=w, reduction="none"),
+        lambda z, y, w: torch.var(z, False),
+        lambda z, y, w: torch.std(z, False),
+        lambda z, y, w: torch.var_mean(z, False)[0],
+    ]
+    for call in calls:
+        want = call(logits, target, weight)
+        with torch.inference_mode():
+            got = call(logits.to("cuda"), target.to("cuda"), weight.to("cuda"))
+        torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
