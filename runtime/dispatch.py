@@ -303,10 +303,11 @@ def _make_plan(func):
             plan, rung = _inplace_plan(func, functional), stats.DERIVED
         elif functional is not None and _out_arguments(schema):
             plan, rung = _out_plan(func, functional), stats.DERIVED
-        elif func.has_kernel_for_dispatch_key(torch._C.DispatchKey.CompositeImplicitAutograd):
-            # torch's own composite kernel: what runs above autograd in eager torch, so an op
+        elif torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+            # torch's own C++ composite kernel: what runs above autograd in eager torch, so an op
             # that reaches the bridge whole (inference mode, a captured trace) decomposes into
-            # the same ops as it would have there.
+            # the same ops as it would have there. (Not OpOverload.has_kernel_for_dispatch_key,
+            # which also counts Python kernels: upsample_nearest3d has one and no C++ kernel.)
             composite = functools.partial(func._op_dk, torch._C.DispatchKey.CompositeImplicitAutograd)
             plan, rung = _decomposed_plan(func, composite), stats.DECOMPOSED
         elif _decomposition(func) is not None:

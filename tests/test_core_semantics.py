@@ -400,10 +400,12 @@ def test_arithmetic_operators_match_torch(bridged, name, dtype):
     else:
         a, b = (torch.randn(3, 4) * 10).to(dtype), (torch.randn(3, 4) * 10 + 20).to(dtype)
     want = call(a, b)
+    # XLA's GPU division is within an ulp of torch's CPU one, not equal to it.
+    tolerance = {} if "/" in name or "div" in name else {"rtol": 0, "atol": 0}
     for _ in range(3):
         got = call(a.to("cuda"), b.to("cuda"))
         assert got.device.type == "cuda" and got.dtype == want.dtype
-        torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+        torch.testing.assert_close(got.cpu(), want, **tolerance)
 
 
 def test_operators_keep_scalar_kinds_and_signed_zeros_apart(bridged):
