@@ -262,11 +262,9 @@ def _stop_gradient_of(tensor):
     """Cut a tensor made in a trace from JAX's gradient; a view keeps the cut in its chain."""
     if not jax.numpy.issubdtype(tensor._value.dtype, jax.numpy.inexact):
         return
-    if tensor._root is None:
-        tensor._value = jax.lax.stop_gradient(tensor._value)
-    else:
+    if tensor._root is not None:
         _make_view(tensor, tensor._root, tensor._chain + (_STOP_GRADIENT,))
-        tensor._value = jax.lax.stop_gradient(tensor._value)
+    tensor._value = jax.lax.stop_gradient(tensor._value)
 
 
 def _cut_from_gradient(out, args, kwargs):
@@ -452,9 +450,10 @@ def _mapped_plan(func, mapping):
     direct = None if rng or mutating else {}
 
     def run(args, kwargs):
-        if direct and not kwargs and settings.compile_ops and not settings.tracing:
+        direct_key = None
+        if direct is not None and not kwargs and settings.compile_ops and not settings.tracing:
             direct_key = _direct_key(args)
-            known = direct.get(direct_key)
+            known = direct.get(direct_key) if direct_key is not None else None
             if known is not None:
                 program, index = known
                 out = program([read_value(value) for value in args if type(value) is BridgeTensor])
@@ -490,18 +489,15 @@ def _mapped_plan(func, mapping):
                 out = _apply_corrections(out, corrections)
         if mutating:
             return _wrap(out, index), updates
-        if direct is not None and not kwargs and not settings.tracing and (not settings.check_signatures or _checked.get(key) is None):
-            _remember_direct(direct, args, call.variant(values, keywords), index)
+        if direct_key is not None and (not settings.check_signatures or _checked.get(key) is None):
+            _remember_direct(direct, direct_key, args, call.variant(values, keywords), index)
         return _wrap(out, index)
 
     return run
 
 
-def _remember_direct(direct, args, program, index):
+def _remember_direct(direct, direct_key, args, program, index):
     if program is None or not any(type(value) is BridgeTensor for value in args):
-        return
-    direct_key = _direct_key(args)
-    if direct_key is None:
         return
     if len(direct) >= _DIRECT_LIMIT:
         direct.clear()
