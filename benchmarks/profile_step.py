@@ -8,6 +8,10 @@ for torch cases). Writes <out>/<case>.txt: wall time per step, GPU busy time per
 of kernel intervals), the XLA programs run per step, and the kernels by total time, each also
 summed into a family (matmul, attention, convolution, fusion, copy/transpose, reduction, other).
 
+`--gaps`: the profiler as above, and where the GPU sits idle within each step: every idle
+stretch, what the host's calling thread was doing then (inside which XLA program's call, or
+in Python between calls) and in which phase of the step; with the host's time per phase.
+
 `--phases`: no profiler; the host's time in each phase of the step (forward, zero_grad,
 backward, clip, optimizer, and `loss.item()`, where the host waits for the device), median
 over the measured steps. A step whose `item` phase is near zero is bound by the host.
@@ -85,11 +89,41 @@ def _report(title, wall_ms, steps, kernels, programs=None, host=None):
     return "\n".join(lines) + "\n"
 
 
-def _jax_profile(step, warmup, steps, directory):
+def _annotated(step):
+    """The step with each phase inside a profiler annotation `phase:<k>` (k counts the phases of
+    the step in order), and the phase names as the step's `mark` calls give them."""
+    import jax
+
+    if not inspect.signature(step).parameters:
+        return step, []
+    names = []
+
+    def run():
+        current = [jax.profiler.TraceAnnotation(f"phase:{len(names)}")]
+        current[0].__enter__()
+
+        def mark(phase):
+            current[0].__exit__(None, None, None)
+            names.append(phase)
+            current[0] = jax.profiler.TraceAnnotation(f"phase:{len(names)}")
+            current[0].__enter__()
+
+        try:
+            return step(mark)
+        finally:
+            current[0].__exit__(None, None, None)
+
+    return run, names
+
+
+def _jax_profile(step, warmup, steps, directory, gaps=False):
     import jax
 
     for _ in range(warmup):
         step()
+    names = []
+    if gaps:
+        step, names = _annotated(step)
     options = jax.profiler.ProfileOptions()
     # Python function events would slow the host several times over and hide its real share.
     options.python_tracer_level = 0
@@ -109,6 +143,7 @@ def _jax_profile(step, warmup, steps, directory):
         if event.get("ph") == "M" and event.get("name") == "thread_name":
             threads[(event["pid"], event["tid"])] = event["args"]["name"]
     kernels, programs, host = [], collections.defaultdict(list), collections.defaultdict(list)
+    spans = []  # (name, start, duration, thread) of host events, for --gaps
     for event in events:
         if event.get("ph") != "X":
             continue
@@ -119,9 +154,73 @@ def _jax_profile(step, warmup, steps, directory):
                 programs[event["name"]].append(event["dur"])
             elif "Stream" in thread or "stream" in thread:
                 kernels.append((event["name"], event["ts"], event["dur"]))
-        elif "GPU" not in process and (event["name"].startswith("PjitFunction") or "Execute" in event["name"]):
-            host[event["name"]].append(event["dur"])
+        else:
+            if event["name"].startswith("PjitFunction") or "Execute" in event["name"]:
+                host[event["name"]].append(event["dur"])
+            if event["name"].startswith(("PjitFunction", "phase:")):
+                spans.append((event["name"], event["ts"], event["dur"], (event["pid"], event.get("tid"))))
+    if gaps:
+        return wall_ms, kernels, programs, host, _gap_report(kernels, spans, names, steps)
     return wall_ms, kernels, programs, host
+
+
+def _gap_report(kernels, spans, names, steps):
+    """Where the GPU is idle during the profiled steps, and what the host was doing meanwhile."""
+    busy = []
+    for _, start, dur in sorted(kernels, key=lambda kernel: kernel[1]):
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], start + dur)
+        else:
+            busy.append([start, start + dur])
+    phases = sorted((start, start + dur, int(name.split(":")[1])) for name, start, dur, _ in spans if name.startswith("phase:"))
+    calls = sorted((start, start + dur, name) for name, start, dur, _ in spans if name.startswith("PjitFunction"))
+    if not busy or not phases:
+        return "\n## GPU idle\nno device kernels or no phase annotations in the trace\n"
+    window = (phases[0][0], phases[-1][1])
+
+    def label(moment):
+        phase = next((k for start, stop, k in phases if start <= moment < stop), None)
+        phase = names[phase] if phase is not None and phase < len(names) else "between steps"
+        call = next((name for start, stop, name in reversed(calls) if start <= moment < stop), None)
+        return phase, call[len("PjitFunction(") : -1] if call else "Python (no XLA call)"
+
+    idle = []
+    previous = window[0]
+    for start, stop in busy + [[window[1], window[1]]]:
+        if start > previous and previous < window[1]:
+            idle.append((previous, min(start, window[1])))
+        previous = max(previous, stop)
+    by_host = collections.Counter()
+    by_phase = collections.Counter()
+    for start, stop in idle:
+        # Attribute each idle stretch in 5 us slices, so that a stretch spanning several host
+        # activities is split between them.
+        moment = start
+        while moment < stop:
+            width = min(5.0, stop - moment)
+            phase, doing = label(moment)
+            by_host[doing] += width
+            by_phase[phase] += width
+            moment += width
+    total = sum(stop - start for start, stop in idle)
+    lines = [
+        "\n## GPU idle within the steps (ms per step)",
+        f"idle {total / 1e3 / steps:.2f} of {(window[1] - window[0]) / 1e3 / steps:.2f} ms per step, in {len(idle) / steps:.0f} stretches",
+        "\n### by what the host's calling thread was doing",
+    ]
+    lines += [f"{value / 1e3 / steps:8.2f}  {name}" for name, value in by_host.most_common(12)]
+    lines.append("\n### by phase of the step")
+    lines += [f"{value / 1e3 / steps:8.2f}  {name}" for name, value in by_phase.most_common()]
+    lines.append("\n### host time per phase (ms per step)")
+    phase_time = collections.Counter()
+    for start, stop, k in phases:
+        phase_time[names[k] if k < len(names) else "?"] += stop - start
+    lines += [f"{value / 1e3 / steps:8.2f}  {name}" for name, value in phase_time.items()]
+    lines.append("\n### the longest idle stretches (ms, phase, host)")
+    for start, stop in sorted(idle, key=lambda gap: gap[0] - gap[1])[:12]:
+        phase, doing = label(start)
+        lines.append(f"{(stop - start) / 1e3:8.3f}  {phase:10s} {doing}")
+    return "\n".join(lines) + "\n"
 
 
 def _torch_profile(step, warmup, steps):
@@ -166,7 +265,7 @@ def _phases(step, warmup, steps):
     return {phase: sorted(values)[len(values) // 2] for phase, values in samples.items()}
 
 
-def worker(spec, warmup, steps, out, tiny, phases=False):
+def worker(spec, warmup, steps, out, tiny, phases=False, gaps=False):
     sys.path.insert(0, HERE)
     import run
 
@@ -186,10 +285,13 @@ def worker(spec, warmup, steps, out, tiny, phases=False):
         text = _report(spec, wall_ms, steps, kernels)
     else:
         directory = tempfile.mkdtemp(prefix="trace_")
-        wall_ms, kernels, programs, host = _jax_profile(step, warmup, steps, directory)
+        profiled = _jax_profile(step, warmup, steps, directory, gaps=gaps)
+        wall_ms, kernels, programs, host = profiled[:4]
         for path in glob.glob(os.path.join(directory, "**", "perfetto_trace.json.gz"), recursive=True):
             shutil.copy(path, os.path.join(out, spec.replace(":", "_") + ".perfetto.json.gz"))
         text = _report(spec, wall_ms, steps, kernels, programs, host)
+        if gaps:
+            text += profiled[4]
         if case.startswith("bridge"):
             from runtime import capture
 
@@ -208,11 +310,12 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(HERE, "results", "profiles"))
     parser.add_argument("--timeout", type=int, default=400)
     parser.add_argument("--phases", action="store_true", help="host time per phase of the step, no profiler")
+    parser.add_argument("--gaps", action="store_true", help="with the profiler: where the GPU idles, and why")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     os.makedirs(options.out, exist_ok=True)
     if options.worker:
-        worker(options.worker, options.warmup, options.steps, options.out, options.tiny, options.phases)
+        worker(options.worker, options.warmup, options.steps, options.out, options.tiny, options.phases, options.gaps)
         return 0
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     for spec in options.cases:
@@ -221,6 +324,8 @@ def main(argv=None):
             command.append("--tiny")
         if options.phases:
             command.append("--phases")
+        if options.gaps:
+            command.append("--gaps")
         print(f"== {spec}", flush=True)
         try:
             done = subprocess.run(command, timeout=options.timeout, env=env, capture_output=True, text=True)

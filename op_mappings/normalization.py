@@ -11,6 +11,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from runtime import config
@@ -42,33 +43,57 @@ def _batch_statistics(values):
     return mean, variance
 
 
-@jax.custom_vjp
-def _batch_statistics_with_torch_backward(values):
-    """The batch statistics, differentiated by torch's closed form (native_batch_norm_backward's):
-    one pass over the input and the gradient for both sums, where JAX differentiating the
-    two-pass statistics makes several (ResNet-50's captured backward spent 13 ms of 31 in
-    reductions). Used in captured regions, where JAX differentiates the mappings."""
-    return _batch_statistics(values)
+def _affine(values, weight, bias, mean, inverse_std):
+    shape = _channel_shape(values)
+    out = (values - mean.reshape(shape)) * inverse_std.reshape(shape)
+    if weight is not None:
+        out = out * weight.astype(values.dtype).reshape(shape)
+    if bias is not None:
+        out = out + bias.astype(values.dtype).reshape(shape)
+    return out
 
 
-def _batch_statistics_forward(values):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _training_normalization(values, weight, bias, eps):
+    """(normalized output, batch mean, biased batch variance) of training-mode batch norm, in the
+    accumulator dtype, differentiated by torch's closed form (native_batch_norm_backward's): the
+    backward reads the input and the gradient once for both per-channel sums and once more for
+    the input's gradient, where JAX differentiating the statistics and the affine map makes more
+    passes. Used in captured regions, where JAX differentiates the mappings."""
+    mean, variance = _batch_statistics(values)
+    return _affine(values, weight, bias, mean, 1 / jnp.sqrt(variance + eps)), mean, variance
+
+
+def _training_normalization_forward(values, weight, bias, eps):
     # Named, so that a captured region's backward keeps these per-channel vectors instead of
     # reading the input twice more to recompute them.
     mean, variance = (checkpoint_name(value, config.KEEP_FOR_BACKWARD) for value in _batch_statistics(values))
-    return (mean, variance), (values, mean)
+    inverse_std = 1 / jnp.sqrt(variance + eps)
+    out = _affine(values, weight, bias, mean, inverse_std)
+    return (out, mean, variance), (values, weight, bias, mean, inverse_std)
 
 
-def _batch_statistics_backward(saved, cotangents):
-    values, mean = saved
-    grad_mean, grad_variance = cotangents
+def _training_normalization_backward(eps, saved, cotangents):
+    values, weight, bias, mean, inverse_std = saved
+    grad = cotangents[0]  # the statistics get none: _batch_norm stops their gradient
     shape = _channel_shape(values)
+    axes = (0,) + tuple(range(2, values.ndim))
     count = values.size // values.shape[1]
-    # d mean / dx = 1 / count; d variance / dx = 2 (x - mean) / count.
-    grad = (grad_mean.reshape(shape) + 2 * grad_variance.reshape(shape) * (values - mean.reshape(shape))) / count
-    return (grad.astype(values.dtype),)
+    normalized = (values - mean.reshape(shape)) * inverse_std.reshape(shape)
+    grad_bias = jnp.sum(grad, axis=axes)
+    grad_weight = jnp.sum(grad * normalized, axis=axes)
+    scale = inverse_std if weight is None else weight.astype(values.dtype) * inverse_std
+    grad_input = scale.reshape(shape) * (
+        grad - (grad_bias / count).reshape(shape) - normalized * (grad_weight / count).reshape(shape)
+    )
+    return (
+        grad_input,
+        None if weight is None else grad_weight.astype(weight.dtype),
+        None if bias is None else grad_bias.astype(bias.dtype),
+    )
 
 
-_batch_statistics_with_torch_backward.defvjp(_batch_statistics_forward, _batch_statistics_backward)
+_training_normalization.defvjp(_training_normalization_forward, _training_normalization_backward)
 
 
 # momentum stays dynamic: nn.BatchNorm with momentum=None passes a new factor every step.
@@ -78,8 +103,12 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training, moment
     accumulator = _accumulator(input.dtype)
     values = input.astype(accumulator)
     updates = {}
+    out = None
     if training or running_mean is None:
-        mean, variance = (_batch_statistics_with_torch_backward if traced else _batch_statistics)(values)
+        if traced:
+            out, mean, variance = _training_normalization(values, weight, bias, eps)
+        else:
+            mean, variance = _batch_statistics(values)
         if training and running_mean is not None:
             count = input.size // input.shape[1]
             # The running variance is the unbiased estimate, the normalization uses the biased one.
@@ -94,11 +123,12 @@ def _batch_norm(input, weight, bias, running_mean, running_var, training, moment
         mean = running_mean.astype(accumulator)
         variance = running_var.astype(accumulator)
     inverse_std = 1 / jnp.sqrt(variance + eps)
-    out = (values - mean.reshape(_channel_shape(input))) * inverse_std.reshape(_channel_shape(input))
-    if weight is not None:
-        out = out * weight.astype(accumulator).reshape(_channel_shape(input))
-    if bias is not None:
-        out = out + bias.astype(accumulator).reshape(_channel_shape(input))
+    if out is None:
+        out = _affine(values, weight, bias, mean, inverse_std)
+    if traced:
+        # torch's saved statistics are not differentiable outputs: a loss that reads them gets
+        # no gradient through them in eager torch.
+        mean, inverse_std = lax.stop_gradient(mean), lax.stop_gradient(inverse_std)
     return out.astype(input.dtype), mean, inverse_std, updates
 
 

@@ -582,6 +582,39 @@ def test_batch_norm_backward_in_split_runs_matches_torch(captured, affine):
     assert not capture.breaks
 
 
+class SavedStatistics(torch.nn.Module):
+    """Reads native_batch_norm's saved mean and inverse std into the loss."""
+
+    def __init__(self, affine):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 4, 3, bias=False)
+        self.norm = torch.nn.BatchNorm2d(4, affine=affine)
+
+    def forward(self, x):
+        norm = self.norm
+        out, mean, inverse_std = torch.native_batch_norm(
+            self.conv(x), norm.weight, norm.bias, norm.running_mean, norm.running_var, True, 0.1, 1e-5
+        )
+        scale = torch.arange(4.0, device=x.device).view(1, 4, 1, 1)
+        return (out.relu() * scale).sum() + (mean * 3).sum() + (inverse_std**2).sum()
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_batch_norm_saved_statistics_carry_no_gradient(captured, affine):
+    """torch's saved batch statistics are not differentiable outputs: a loss that reads them gets
+    no gradient through them (the region's closed-form backward had added one)."""
+    torch.manual_seed(0)
+    reference, model = _pair(SavedStatistics(affine))
+    x = torch.randn(2, 3, 6, 6)
+    x_ref, x_bridge = x.clone().requires_grad_(), x.to("cuda").requires_grad_()
+    for net, inputs in ((reference, x_ref), (model, x_bridge)):
+        net(inputs).backward()
+    torch.testing.assert_close(x_bridge.grad.cpu(), x_ref.grad, rtol=1e-4, atol=1e-5)
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-4, atol=1e-5)
+    assert not capture.breaks
+
+
 @pytest.mark.parametrize(
     "make",
     [
