@@ -383,7 +383,7 @@ def _build(program, options):
             diff_inputs,
             has_aux=True,
         )
-        return floats, aux, pullback
+        return floats, aux, _Residuals.of(pullback, (diff_roots, diff_inputs, other_roots, other_inputs, key))
 
     def fused(diff_roots, diff_inputs, other_roots, other_inputs, key, position):
         # Forward and gradients of one scalar output in one program (see _RegionFunction).
@@ -419,6 +419,39 @@ def _build(program, options):
 
 def _pull(pullback, cotangents):
     return pullback(cotangents)
+
+
+@jax.tree_util.register_pytree_node_class
+class _Residuals:
+    """A split run's pullback as its forward program returns it: the residuals that are the
+    program's own inputs (parameters a convolution's backward reads) are left out and put back
+    from the inputs on the host. Returned by the program, each would be copied into a new buffer
+    (ResNet-50: 161 device-to-device copies a step, a launch each, and its weights twice over)."""
+
+    def __init__(self, kept, treedef, sources):
+        self.kept = kept
+        self.treedef = treedef
+        self.sources = sources  # per pullback leaf: its position among the inputs, or None
+
+    @classmethod
+    def of(cls, pullback, inputs):
+        position = {id(leaf): k for k, leaf in enumerate(jax.tree_util.tree_leaves(inputs))}
+        leaves, treedef = jax.tree_util.tree_flatten(pullback)
+        sources = tuple(position.get(id(leaf)) for leaf in leaves)
+        return cls([leaf for leaf, source in zip(leaves, sources) if source is None], treedef, sources)
+
+    def pullback(self, inputs):
+        inputs = jax.tree_util.tree_leaves(inputs)
+        kept = iter(self.kept)
+        leaves = [next(kept) if source is None else inputs[source] for source in self.sources]
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def tree_flatten(self):
+        return self.kept, (self.treedef, self.sources)
+
+    @classmethod
+    def tree_unflatten(cls, aux, kept):
+        return cls(list(kept), *aux)
 
 
 @jax.jit
@@ -493,7 +526,8 @@ class _RegionFunction(torch.autograd.Function):
         elif settings.residuals == "recompute":
             floats, (others, mutated, written, new_key) = program.primal(*primals)
         else:
-            floats, (others, mutated, written, new_key), ctx.pullback = program.forward(*primals)
+            floats, (others, mutated, written, new_key), residuals = program.forward(*primals)
+            ctx.pullback = residuals.pullback(primals)
         _write_back(program, state["inputs"], mutated, written, new_key)
         floats, others = iter(floats), iter(others)
         arrays = [next(floats) if is_float else next(others) for is_float in program.out_float]
