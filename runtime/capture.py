@@ -30,6 +30,7 @@ and that region runs eagerly from then on.
 
 import dataclasses
 import gc
+import operator
 import os
 import time
 import traceback
@@ -151,6 +152,35 @@ def describe_change(old, new):
     names = ("argument structure, shapes or dtypes", "grad mode, autocast or precision settings", "module state")
     parts = [name for name, before, after in zip(names, old, new) if before != after]
     return ", ".join(parts) or "a new structure"
+
+
+_requires_grad = operator.attrgetter("requires_grad")
+_instance_dict = operator.attrgetter("__dict__")
+
+
+class _StateCache:
+    """A region's state roots, owners and key for one list of state tensors. They hold while
+    the same tensors have the same roots and grad flags, no tensor's sizes, dtype or device
+    changed in place (runtime.tensor.layout_changes), and no root was swapped for another
+    tensor (torch.utils.swap_tensors, as Module.to uses it, swaps their __dict__s)."""
+
+    def __init__(self, tensors, roots, owners, key):
+        self.tensors = tensors
+        self.tensor_roots = [root_of(tensor) for tensor in tensors]
+        self.requires_grad = [tensor.requires_grad for tensor in tensors]
+        self.root_dicts = [root.__dict__ for root in roots]
+        self.layout_changes = tensor_module.layout_changes
+        self.roots, self.owners, self.key = roots, owners, key
+
+    def holds(self, tensors):
+        return (
+            self.layout_changes == tensor_module.layout_changes
+            and len(tensors) == len(self.tensors)
+            and all(map(operator.is_, tensors, self.tensors))
+            and all(map(operator.is_, map(root_of, tensors), self.tensor_roots))
+            and all(map(operator.is_, map(_instance_dict, self.roots), self.root_dicts))
+            and list(map(_requires_grad, tensors)) == self.requires_grad
+        )
 
 
 # ---------------------------------------------------------------- a compiled program
@@ -689,18 +719,15 @@ class Region:
         self.extra_roots = []  # outside tensors found by earlier traces
         self.broken = None  # Break, once the region is left to run eagerly
         self.last_key = None
+        self._state_cache = None
 
     def __call__(self, *args, **kwargs):
         if self.broken is not None or not settings.capture or settings.tracing:
             return self.function(*args, **kwargs)
         try:
             leaves, spec = pytree.tree_flatten((args, kwargs))
-            roots = self._roots()
-            key = (
-                (spec, tuple(_leaf_key(leaf) for leaf in leaves)),
-                _context_key(),
-                _state_key(roots, self.owners),
-            )
+            roots, state_key = self._state()
+            key = ((spec, tuple(_leaf_key(leaf) for leaf in leaves)), _context_key(), state_key)
         except GraphBreak as error:
             return self._break(error, args, kwargs)
         program = self.programs.get(key)
@@ -715,11 +742,27 @@ class Region:
             return result
         return run(program, inputs)
 
-    def _roots(self):
+    def _state(self):
+        """The state's roots and their part of the program key, as _roots and _state_key give
+        them; remembered from the last call while nothing they depend on has changed (a module
+        call pays for this on every step: ResNet-50 has 320 state tensors)."""
+        tensors = list(self.state_roots() if self.state_roots else []) + self.extra_roots
+        cached = self._state_cache
+        if cached is not None and cached.holds(tensors):
+            self.owners = cached.owners
+            return cached.roots, cached.key
+        roots = self._roots(tensors)
+        key = _state_key(roots, self.owners)
+        self._state_cache = _StateCache(tensors, roots, self.owners, key)
+        return roots, key
+
+    def _roots(self, tensors=None):
         """The state: roots of the region's tensors, and for each the tensor that autograd
         knows (a parameter is often an alias of its root; its gradient is the root's)."""
+        if tensors is None:
+            tensors = list(self.state_roots() if self.state_roots else []) + self.extra_roots
         roots, owners, seen = [], [], {}
-        for tensor in list(self.state_roots() if self.state_roots else []) + self.extra_roots:
+        for tensor in tensors:
             if not isinstance(tensor, BridgeTensor):
                 raise GraphBreak("the module has a parameter or buffer that is not on the bridge device")
             if tensor._chain and tensor.requires_grad:
@@ -752,8 +795,8 @@ class Region:
                 result = run(program, inputs)
             except _FreeTensors as found:
                 self.extra_roots.extend(found.args[0])
-                roots = self._roots()
-                key = key[:2] + (_state_key(roots, self.owners),)
+                roots, state_key = self._state()
+                key = key[:2] + (state_key,)
                 continue
             break
         else:

@@ -20,7 +20,7 @@ from .callsite import user_call_site, warn_at_user_site
 from .config import settings
 from .errors import CPUFallbackWarning, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
 from .registry import MAPPINGS, Mapping
-from .tensor import BridgeTensor, numpy_to_torch, read_value, root_of, torch_to_numpy, write_value
+from .tensor import BridgeTensor, numpy_to_torch, read_value, root_of, set_wrapper_layout, torch_to_numpy, write_value
 from . import tensor as tensor_module
 from .views import ViewStep
 
@@ -660,7 +660,7 @@ def _inplace_view_plan(func, functional):
         value = _result_value(result, target)
         if tuple(target.shape) != tuple(value.shape):
             # Torch reads the sizes from the wrapper itself: give it the new ones.
-            torch._C.TensorBase.data.__set__(target, BridgeTensor(value, target._index))
+            set_wrapper_layout(target, BridgeTensor(value, target._index))
         if is_view and target._root is not None and isinstance(result, BridgeTensor):
             target._root, target._chain = result._root, result._chain
             target._value, target._seen = value, result._seen
@@ -704,7 +704,7 @@ def replace_contents(target, value):
         return
     if tuple(target.shape) != tuple(value.shape):
         resized = BridgeTensor(value, target._index)
-        torch._C.TensorBase.data.__set__(target, resized)
+        set_wrapper_layout(target, resized)
         target._root, target._chain, target._value = None, (), value
         target._generation += 1
         return

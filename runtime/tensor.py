@@ -97,7 +97,9 @@ class BridgeTensor(torch.Tensor):
             other = to_bridge(other, self._index)
         if other.shape != self.shape or other.dtype != self.dtype:
             # Let torch update the wrapper's sizes and dtype; the value follows below.
-            torch._C.TensorBase.data.__set__(self, other)
+            set_wrapper_layout(self, other)
+        elif other._index != self._index:
+            _layout_changed()
         value = read_value(other)
         self._root, self._chain, self._value = None, (), value
         self._generation += 1
@@ -269,6 +271,25 @@ def _parse_to(args, kwargs):
 
 # Set by runtime/capture.py: called with every tensor read or written while a region is traced.
 trace_hook = None
+
+
+# Counts the changes of a bridge tensor's sizes, dtype or device in place (the Python object
+# stays): captured regions cache their state's layout and check this count instead of every
+# tensor on every call. (torch.utils.swap_tensors, which Module.to uses, swaps the objects'
+# __dict__s, which the regions check too.)
+layout_changes = 0
+
+
+def _layout_changed():
+    global layout_changes
+    layout_changes += 1
+
+
+def set_wrapper_layout(target, source):
+    """Give the wrapper `target` the sizes and dtype of the tensor `source` (its value is the
+    caller's to set)."""
+    _layout_changed()
+    torch._C.TensorBase.data.__set__(target, source)
 
 
 def root_of(tensor):

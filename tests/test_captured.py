@@ -292,6 +292,70 @@ def test_hooks_keep_running_in_python(captured):
     assert _regions("Linear")
 
 
+def _edit_freeze(net):
+    net.fc1.weight.requires_grad_(False)
+
+
+def _edit_unfreeze(net):
+    net.fc1.weight.requires_grad_(True)
+
+
+def _edit_new_parameter(net):
+    torch.manual_seed(1)
+    net.fc2.weight = torch.nn.Parameter(torch.randn(3, 16).to(net.fc1.weight.device))
+
+
+def _edit_new_submodule(net):
+    torch.manual_seed(2)
+    net.fc2 = torch.nn.Linear(16, 3).to(net.fc1.weight.device)  # drawn on the CPU, then moved
+
+
+def _edit_hook(net):
+    net.fc2.register_forward_hook(lambda module, args, out: out * 2)
+
+
+def _edit_to_float64(net):
+    net.double()
+
+
+@pytest.mark.parametrize(
+    "before, edit",
+    [
+        (None, _edit_freeze),
+        (_edit_freeze, _edit_unfreeze),
+        (None, _edit_new_parameter),
+        (None, _edit_new_submodule),
+        (None, _edit_hook),
+        (None, _edit_to_float64),
+    ],
+    ids=["freeze", "unfreeze", "new-parameter", "new-submodule", "hook", "to-float64"],
+)
+def test_module_changes_between_replays_are_seen(captured, before, edit):
+    """A module call reuses its walk of the module tree and its state's key while they hold
+    (bridge.patches.capture._Tree, runtime.capture._StateCache): a change to the module between
+    steps must reach the next call, as in eager torch."""
+    torch.manual_seed(0)
+    reference, model = _pair(MLP())
+    if before is not None:
+        before(reference), before(model)
+    data = torch.randn(6, 4, 6)
+    for step, x in enumerate(data):
+        if step == 3:
+            edit(reference), edit(model)
+        dtype = reference.fc1.weight.dtype
+        for net in (reference, model):
+            net.zero_grad(set_to_none=True)
+        expected = reference(x.to(dtype))
+        expected.square().mean().backward()
+        actual = model(x.to(dtype).cuda())
+        actual.square().mean().backward()
+        torch.testing.assert_close(actual.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
+        for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
+            assert (p.grad is None) == (p_ref.grad is None), name
+            if p_ref.grad is not None:
+                torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_input_written_in_place_is_written_back(captured):
     class Scale(torch.nn.Module):
         def forward(self, x):

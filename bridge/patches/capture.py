@@ -15,6 +15,7 @@ Everything here is inert in eager mode (`--mode eager`, BRIDGE_MODE=eager).
 import functools
 import importlib
 import inspect
+import operator
 import weakref
 
 import numpy as np
@@ -55,14 +56,32 @@ def _global_hooks():
     )
 
 
+def _children(modules):
+    return [child for module in modules for child in module._modules.values()]
+
+
+def _members(modules):
+    """Every parameter and buffer slot of the modules, in order, None and repeats included."""
+    return [tensor for module in modules for tensor in module._parameters.values()] + [
+        tensor for module in modules for tensor in module._buffers.values()
+    ]
+
+
+def _same(items, others):
+    return len(items) == len(others) and all(map(operator.is_, items, others))
+
+
 class _Tree:
     """One walk over a module's subtree, in torch's own orders (named_modules' pre-order;
     parameters() then buffers(), each tensor once): whether hooks need Python on this call,
-    the training flags that key its regions, and its state tensors. Module calls pay for this
-    walk on every step, so it reads the module dicts directly: torch's generators (four walks,
-    with prefix strings) took about 1 ms of host time per GPT-2 forward."""
+    the training flags that key its regions, and its state tensors. Module calls need this on
+    every step, so it reads the module dicts directly (torch's generators, four walks with
+    prefix strings, took about 1 ms of host time per GPT-2 forward), and a walk is reused while
+    the subtree's modules, parameters and buffers are the same objects (`still_holds`)."""
 
-    __slots__ = ("hooked", "key", "state")
+    # The module itself is not kept (the regions of a module are held weakly by it), only the
+    # modules below it.
+    __slots__ = ("hooked", "key", "state", "descendants", "children", "members")
 
     def __init__(self, module):
         modules, seen = [], set()
@@ -74,18 +93,32 @@ class _Tree:
             seen.add(id(current))
             modules.append(current)
             stack.extend(reversed([child for child in current._modules.values() if child is not None]))
+        self.descendants = modules[1:]
+        self.children = _children(modules)
+        self.members = _members(modules)
+        state, taken = [], set()
+        for tensor in self.members:
+            if tensor is not None and id(tensor) not in taken:
+                taken.add(id(tensor))
+                state.append(tensor)
+        self.state = state
+        self._read_flags(modules)
+
+    def _read_flags(self, modules):
+        # Hooks and training flags change without the modules changing: read on every call.
         self.hooked = any(
             m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules
         )
-        self.key = tuple(m.training for m in modules)
-        state, taken = [], set()
-        for kind in ("_parameters", "_buffers"):
-            for m in modules:
-                for tensor in getattr(m, kind).values():
-                    if tensor is not None and id(tensor) not in taken:
-                        taken.add(id(tensor))
-                        state.append(tensor)
-        self.state = state
+        self.key = tuple([m.training for m in modules])
+
+    def still_holds(self, module):
+        """Whether `module`'s subtree still has these modules, parameters and buffers (its hooks
+        and training flags are read anew)."""
+        modules = [module] + self.descendants
+        if not (_same(_children(modules), self.children) and _same(_members(modules), self.members)):
+            return False
+        self._read_flags(modules)
+        return True
 
 
 def _weak_call(bound):
@@ -113,8 +146,13 @@ class _ModuleRegion:
         self.by_mode = {}
         self.tree = None  # the walk of the current call: its state is the regions' state
 
+    def walk(self, module):
+        """The walk of `module` for this call: the last one while it holds."""
+        tree = self.tree
+        return tree if tree is not None and tree.still_holds(module) else _Tree(module)
+
     def region(self, module, tree=None):
-        self.tree = tree = _Tree(module) if tree is None else tree
+        self.tree = tree = self.walk(module) if tree is None else tree
         region = self.by_mode.get(tree.key)
         if region is None:
             name = f"{type(module).__name__} ({'train' if module.training else 'eval'})"
@@ -136,10 +174,10 @@ def module_call(wrapped, instance, args, kwargs):
         or _global_hooks()
     ):
         return wrapped(*args, **kwargs)
-    tree = _Tree(instance)
+    entry = _regions.get(instance)
+    tree = _Tree(instance) if entry is None else entry.walk(instance)
     if tree.hooked:
         return wrapped(*args, **kwargs)
-    entry = _regions.get(instance)
     if entry is None:
         entry = _regions[instance] = _ModuleRegion(instance, _weak_call(wrapped))
     return entry.region(instance, tree)(*args, **kwargs)
