@@ -573,38 +573,65 @@ class _RegionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        program = ctx.program
-        grads = [grad for grad, is_float in zip(grads, program.out_float) if is_float]
-        given = [position for position, grad in enumerate(grads) if grad is not None]
-        index = program.index
-        if ctx.gradients is not None and given == [program.speculate] and not torch.is_grad_enabled():
-            # A fused run: only the scalar's gradient is used; the other outputs' zeros (GPT-2's
-            # logits: 0.8 GB) are never made. `loss.backward()`'s implicit gradient of ones
-            # needs no scaling program (one kernel per parameter, launched from the host).
-            grad = grads[program.speculate]
-            if _is_ones(grad):
-                d_roots, d_inputs = ctx.gradients
-            else:
-                shape, dtype = ctx.float_avals[program.speculate]
-                d_roots, d_inputs = _scale(ctx.gradients, read_value(_gradient(grad, shape, dtype, index)))
-            return (None, None, *_gradients_out(program, given, list(d_roots) + list(d_inputs), index))
-        grads = [_gradient(grad, shape, dtype, index) for grad, (shape, dtype) in zip(grads, ctx.float_avals)]
-        if torch.is_grad_enabled():
-            # create_graph=True: the gradients need a graph of their own (double backward).
-            results = _RegionGradFunction.apply(program, ctx.primals, len(grads), *grads, *ctx.diff_tensors)
-            return (None, None, *results)
-        cotangents = [read_value(grad) for grad in grads]
-        if ctx.gradients is not None:
-            program.speculate = None  # this region's outputs are used otherwise: split runs again
+        if ctx.primals is None:
+            raise RuntimeError(
+                "Trying to backward through the graph a second time (or directly access saved tensors after they "
+                "have already been freed). Saved intermediate values of the graph are freed when you call "
+                ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
+                "graph a second time or if you need to access saved tensors after calling backward."
+            )
+        results = _region_backward(ctx, grads)
+        if not _graph_kept():
+            # torch frees this graph after this backward: the region's inputs and residuals go
+            # with it, so that an optimizer step can update the parameters' buffers in place
+            # (runtime.tensor.held_only_by_their_tensors).
+            ctx.primals = ctx.pullback = ctx.gradients = None
+        return results
+
+
+_keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+
+
+def _graph_kept():
+    """Whether the backward running now keeps its graph (retain_graph); True where torch does
+    not say."""
+    return True if _keep_graph is None else _keep_graph()
+
+
+def _region_backward(ctx, grads):
+    """_RegionFunction's backward: the region's gradients for torch's incoming ones."""
+    program = ctx.program
+    grads = [grad for grad, is_float in zip(grads, program.out_float) if is_float]
+    given = [position for position, grad in enumerate(grads) if grad is not None]
+    index = program.index
+    if ctx.gradients is not None and given == [program.speculate] and not torch.is_grad_enabled():
+        # A fused run: only the scalar's gradient is used; the other outputs' zeros (GPT-2's
+        # logits: 0.8 GB) are never made. `loss.backward()`'s implicit gradient of ones
+        # needs no scaling program (one kernel per parameter, launched from the host).
+        grad = grads[program.speculate]
+        if _is_ones(grad):
+            d_roots, d_inputs = ctx.gradients
+        else:
+            shape, dtype = ctx.float_avals[program.speculate]
+            d_roots, d_inputs = _scale(ctx.gradients, read_value(_gradient(grad, shape, dtype, index)))
+        return (None, None, *_gradients_out(program, given, list(d_roots) + list(d_inputs), index))
+    grads = [_gradient(grad, shape, dtype, index) for grad, (shape, dtype) in zip(grads, ctx.float_avals)]
+    if torch.is_grad_enabled():
+        # create_graph=True: the gradients need a graph of their own (double backward).
+        results = _RegionGradFunction.apply(program, ctx.primals, len(grads), *grads, *ctx.diff_tensors)
+        return (None, None, *results)
+    cotangents = [read_value(grad) for grad in grads]
+    if ctx.gradients is not None:
+        program.speculate = None  # this region's outputs are used otherwise: split runs again
+        d_roots, d_inputs = program.recompute(ctx.primals, cotangents)
+    else:
+        if ctx.pullback is None:  # residuals="recompute": the backward runs the forward again
             d_roots, d_inputs = program.recompute(ctx.primals, cotangents)
         else:
-            if ctx.pullback is None:  # residuals="recompute": the backward runs the forward again
-                d_roots, d_inputs = program.recompute(ctx.primals, cotangents)
-            else:
-                d_roots, d_inputs = program.backward(ctx.pullback, cotangents)
-            if len(given) == 1 and ctx.float_avals[given[0]][0] == () and program.speculate is None:
-                program.speculate = given[0]
-        return (None, None, *_gradients_out(program, given, list(d_roots) + list(d_inputs), index))
+            d_roots, d_inputs = program.backward(ctx.pullback, cotangents)
+        if len(given) == 1 and ctx.float_avals[given[0]][0] == () and program.speculate is None:
+            program.speculate = given[0]
+    return (None, None, *_gradients_out(program, given, list(d_roots) + list(d_inputs), index))
 
 
 def mark_ones(tensor):

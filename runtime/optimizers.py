@@ -200,11 +200,6 @@ def _lerp(start, end, weight):
     )
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "max_norm", "norm_type"),
-    donate_argnums=(2, 3, 4),
-)
 def adam_update(
     params, grads, flat_avgs, flat_sqs, flat_maxes, scalars, clip_grads=None, coefficient=None,
     *, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, max_norm=None, norm_type=None
@@ -247,11 +242,6 @@ def adam_update(
     return new_params, _join(new_avgs), _join(new_sqs), (_join(new_maxes) if amsgrad else None), clip
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "max_norm", "norm_type"),
-    donate_argnums=(2,),
-)
 def sgd_update(
     params, grads, flat_buffers, lr, clip_grads=None, coefficient=None,
     *, momentum, dampening, weight_decay, nesterov, maximize, first, max_norm=None, norm_type=None
@@ -278,3 +268,22 @@ def sgd_update(
         param = param + (-lr).astype(dtype) * grad
         new_params.append(param)
     return new_params, (_join(new_buffers) if momentum != 0 else None), clip
+
+
+def _programs(update, static, state):
+    """An update's program that reuses the buffers of its state arguments (positions `state`,
+    the flat moments), and one that reuses the parameters' too (`in_place`): with each
+    parameter's old value no longer needed (runtime.tensor.held_only_by_their_tensors), its
+    buffer takes the new value, where a new buffer per parameter costs the host a few
+    microseconds to allocate and free on GPUs (ResNet-50: 161 a step)."""
+    plain = jax.jit(update, static_argnames=static, donate_argnums=state)
+    in_place = jax.jit(update, static_argnames=static, donate_argnums=(0,) + state)
+    return plain, in_place
+
+
+adam_update, adam_update_in_place = _programs(
+    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "max_norm", "norm_type"), (2, 3, 4)
+)
+sgd_update, sgd_update_in_place = _programs(
+    sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "max_norm", "norm_type"), (2,)
+)

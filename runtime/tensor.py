@@ -11,6 +11,8 @@ writes through a view are scattered into the root, and views of a root that
 changed are recomputed when next read (see `read_value` / `write_value`).
 """
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -290,6 +292,25 @@ def set_wrapper_layout(target, source):
     caller's to set)."""
     _layout_changed()
     torch._C.TensorBase.data.__set__(target, source)
+
+
+def held_only_by_their_tensors(tensors, values):
+    """Whether each array in `values` (read_value of each of `tensors`) has no holder but its
+    tensor and, for an alias of a whole root (a parameter after Module.to), that root: no other
+    tensor shares it (a copy_ can hand a tensor another's array), no other view caches it, no
+    autograd graph keeps it for a backward still to come (runtime.capture releases a region's
+    inputs once its graph is freed). Such an array's buffer can be given to the program that
+    computes the tensor's next value. The count is taken against an object held the same way,
+    so it does not depend on how the interpreter counts references."""
+    canary = object()
+    counts = [sys.getrefcount(value) for value in values + [canary]]
+    base = counts.pop()  # the canary has its local name where the values have the list `values`
+    for tensor, value, count in zip(tensors, values, counts):
+        root = tensor._root
+        holders = 2 if root is not None and not tensor._chain and root._value is value else 1
+        if count != base + holders:
+            return False
+    return True
 
 
 def root_of(tensor):

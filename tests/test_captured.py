@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from compat.harness import judge_against_float64
 from runtime import capture
+from runtime.tensor import read_value
 
 
 @pytest.fixture
@@ -354,6 +355,57 @@ def test_module_changes_between_replays_are_seen(captured, before, edit):
             assert (p.grad is None) == (p_ref.grad is None), name
             if p_ref.grad is not None:
                 torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), lambda params: torch.optim.AdamW(params, lr=1e-2)],
+    ids=["sgd", "adamw"],
+)
+def test_optimizer_step_reuses_parameter_buffers_no_one_else_holds(captured, make):
+    """The update program takes the parameters' old buffers for their new values
+    (runtime.tensor.held_only_by_their_tensors) once the step's graph has been freed; a
+    tensor that shares a parameter's array (`.data =`) keeps it readable, and results follow
+    torch's either way."""
+    torch.manual_seed(0)
+    reference, model = _pair(MLP())
+    opt_ref, opt = make(reference.parameters()), make(model.parameters())
+    shadow = None
+    for step, x in enumerate(torch.randn(5, 4, 6)):
+        if step == 3:
+            shadow = torch.empty(16, 6, device="cuda")
+            shadow.data = model.fc1.weight  # shares the parameter's current array
+            expected_shadow = reference.fc1.weight.detach().clone()
+        for net, optimizer, device in ((reference, opt_ref, "cpu"), (model, opt, "cuda")):
+            optimizer.zero_grad()
+            loss = net(x.to(device)).square().mean()  # alive over the step, as in scripts
+            loss.backward()
+        before = [read_value(p).unsafe_buffer_pointer() for p in model.parameters()]
+        opt_ref.step(), opt.step()
+        # A new value in its parameter's old buffer: given to the program. (Not given, the old
+        # buffer is still alive while the program writes the new one.)
+        reused = [read_value(p).unsafe_buffer_pointer() == address for p, address in zip(model.parameters(), before)]
+        if step == 3:
+            assert not any(reused), "a buffer another tensor holds was given away"
+            torch.testing.assert_close(shadow.cpu(), expected_shadow)
+        elif step > 0:  # the first step also makes the optimizer's state
+            assert all(reused), reused
+        for p_ref, p in zip(reference.parameters(), model.parameters()):
+            torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_retained_graph_keeps_its_inputs_and_a_freed_one_says_so(captured):
+    torch.manual_seed(0)
+    reference, model = _pair(MLP())
+    x = torch.randn(4, 6)
+    for net, device in ((reference, "cpu"), (model, "cuda")):
+        loss = net(x.to(device)).sum()
+        loss.backward(retain_graph=True)
+        loss.backward()
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-6)
 
 
 def test_input_written_in_place_is_written_back(captured):
@@ -782,7 +834,9 @@ def test_activations_and_layer_norm_keep_what_torch_keeps(captured, monkeypatch,
     for net, device in ((reference, "cpu"), (model, "cuda")):
         with torch.autocast(device, dtype=torch.bfloat16, enabled=autocast):
             out = net(x.to(device))
-        (out.float() * projection.to(device)).sum().backward()  # a loss outside the region: split runs
+        # A loss outside the region: split runs. The graph is kept to read its residuals (a
+        # freed one lets go of them).
+        (out.float() * projection.to(device)).sum().backward(retain_graph=True)
         outs.append(out)
     residuals = jax.tree_util.tree_leaves(outs[1].grad_fn.pullback)
     assert sum(tuple(value.shape) == (4, 32) for value in residuals) == saved

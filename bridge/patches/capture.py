@@ -23,7 +23,7 @@ import torch
 
 from runtime import capture, optimizers
 from runtime.config import settings
-from runtime.tensor import BridgeTensor, read_value, root_of, write_value
+from runtime.tensor import BridgeTensor, held_only_by_their_tensors, read_value, root_of, write_value
 
 from . import Patch
 
@@ -380,8 +380,10 @@ def adam(wrapped, instance, args, kwargs):
     roots = [optimizers.flat_state(a["exp_avgs"]), optimizers.flat_state(a["exp_avg_sqs"])]
     roots.append(optimizers.flat_state(a["max_exp_avg_sqs"]) if a["amsgrad"] else None)
     clip, grad_values, clip_values, clip_statics = _clip_arguments(a["grads"])
-    new_params, *new_flat, clip_result = optimizers.adam_update(
-        [read_value(t) for t in params],
+    values = [read_value(t) for t in params]
+    update = optimizers.adam_update_in_place if held_only_by_their_tensors(params, values) else optimizers.adam_update
+    new_params, *new_flat, clip_result = update(
+        values,
         grad_values,
         *[None if root is None else read_value(root) for root in roots],
         scalars,
@@ -427,8 +429,10 @@ def sgd(wrapped, instance, args, kwargs):
     momentum = float(a["momentum"])
     root = None if first or momentum == 0 else optimizers.flat_state(buffers)
     clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
-    new_params, new_flat, clip_result = optimizers.sgd_update(
-        [read_value(t) for t in params],
+    values = [read_value(t) for t in params]
+    update = optimizers.sgd_update_in_place if held_only_by_their_tensors(params, values) else optimizers.sgd_update
+    new_params, new_flat, clip_result = update(
+        values,
         grad_values,
         None if root is None else read_value(root),
         np.array(a["lr"], dtype=np.float32 if dtype == torch.float32 else np.float64),
