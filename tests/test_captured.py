@@ -698,52 +698,6 @@ def test_batch_norm_backward_in_split_runs_matches_torch(captured, affine):
     assert not capture.breaks
 
 
-class TwoNorms(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.conv = torch.nn.Conv2d(3, 4, 3, padding=1, bias=False)
-        self.norm1 = torch.nn.BatchNorm2d(4)
-        self.norm2 = torch.nn.BatchNorm2d(4)
-        self.head = torch.nn.Linear(4, 2)
-
-    def forward(self, x):
-        return self.head(self.norm2(torch.relu(self.norm1(self.conv(x)))).mean((2, 3)))
-
-
-def test_module_buffers_share_one_array_and_stay_torch_tensors(captured):
-    """A region's buffers of one dtype become views into one flat array (one program input and
-    output for them all, bridge.patches.capture._pack_buffers): their values follow torch's in
-    training and evaluation, a deep copy is independent, and a saved state_dict holds plain
-    tensors of the same values."""
-    import io
-
-    torch.manual_seed(0)
-    reference, model = _pair(TwoNorms())
-    for _ in range(3):
-        x = torch.randn(4, 3, 6, 6) * 2 + 1
-        for net, device in ((reference, "cpu"), (model, "cuda")):
-            net.zero_grad()
-            net(x.to(device)).square().mean().backward()
-    (program,) = [p for region in capture_regions(model) for p in region.programs.values()]
-    assert len(program.mutated_roots) == 2  # the float statistics, the int64 counters
-    for (name, b_ref), b in zip(reference.named_buffers(), model.buffers()):
-        assert b.dtype == b_ref.dtype and b.shape == b_ref.shape, name
-        torch.testing.assert_close(b.cpu(), b_ref, rtol=1e-5, atol=1e-6)
-    copied = copy.deepcopy(model)
-    copied.norm1.running_mean.add_(1.0)
-    torch.testing.assert_close(model.norm1.running_mean.cpu(), reference.norm1.running_mean, rtol=1e-5, atol=1e-6)
-    reference.eval(), model.eval()
-    x = torch.randn(2, 3, 6, 6)
-    torch.testing.assert_close(model(x.cuda()).detach().cpu(), reference(x).detach(), rtol=1e-5, atol=1e-6)
-    saved = io.BytesIO()
-    torch.save(model.state_dict(), saved)
-    saved.seek(0)
-    loaded = torch.load(saved, map_location="cpu")
-    for name, value in reference.state_dict().items():
-        assert type(loaded[name]) is torch.Tensor, name
-        torch.testing.assert_close(loaded[name], value, rtol=1e-5, atol=1e-6)
-
-
 class SavedStatistics(torch.nn.Module):
     """Reads native_batch_norm's saved mean and inverse std into the loss."""
 

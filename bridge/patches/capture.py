@@ -81,7 +81,7 @@ class _Tree:
 
     # The module itself is not kept (the regions of a module are held weakly by it), only the
     # modules below it.
-    __slots__ = ("hooked", "key", "state", "descendants", "children", "members", "buffer_count")
+    __slots__ = ("hooked", "key", "state", "descendants", "children", "members")
 
     def __init__(self, module):
         modules, seen = [], set()
@@ -96,7 +96,6 @@ class _Tree:
         self.descendants = modules[1:]
         self.children = _children(modules)
         self.members = _members(modules)
-        self.buffer_count = sum(len(module._buffers) for module in modules)  # members end with the buffers
         state, taken = [], set()
         for tensor in self.members:
             if tensor is not None and id(tensor) not in taken:
@@ -120,31 +119,6 @@ class _Tree:
             return False
         self._read_flags(modules)
         return True
-
-
-def _pack_buffers(tree):
-    """Make the module buffers of one dtype and device views into one flat root
-    (runtime.optimizers.flat_state), so that a region takes and writes back one array for them
-    all: ResNet-50's 159 batch-norm statistics and counters were 159 inputs and 159 new output
-    buffers of its forward program every step, each costing the host microseconds. The buffers
-    keep their identity, values and dtypes; only whole buffers that own their data and need no
-    gradient are packed."""
-    groups = {}
-    buffers = tree.members[len(tree.members) - tree.buffer_count :]
-    seen = set()
-    for buffer in buffers:
-        if (
-            isinstance(buffer, BridgeTensor)
-            and id(buffer) not in seen
-            and buffer._root is None
-            and buffer._pending is None
-            and not buffer.requires_grad
-        ):
-            seen.add(id(buffer))
-            groups.setdefault((buffer.dtype, buffer._index), []).append(buffer)
-    for group in groups.values():
-        if len(group) > 1:
-            optimizers.flat_state(group)
 
 
 def _weak_call(bound):
@@ -178,10 +152,7 @@ class _ModuleRegion:
         return tree if tree is not None and tree.still_holds(module) else _Tree(module)
 
     def region(self, module, tree=None):
-        tree = self.walk(module) if tree is None else tree
-        if tree is not self.tree:
-            _pack_buffers(tree)
-        self.tree = tree
+        self.tree = tree = self.walk(module) if tree is None else tree
         region = self.by_mode.get(tree.key)
         if region is None:
             name = f"{type(module).__name__} ({'train' if module.training else 'eval'})"
