@@ -12,7 +12,6 @@ results against float64.
 """
 
 import argparse
-import functools
 import os
 import statistics
 import sys

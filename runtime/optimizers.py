@@ -21,7 +21,6 @@ boundary costs the host a few microseconds in JAX and XLA's runtime; for GPT-2's
 parameters, per-parameter state made the update's call cost about as much as its kernels.
 """
 
-import functools
 import math
 import weakref
 

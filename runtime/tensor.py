@@ -297,7 +297,7 @@ def set_wrapper_layout(target, source):
 def held_only_by_their_tensors(tensors, values):
     """Whether each array in `values` (read_value of each of `tensors`) has no holder but its
     tensor and, for an alias of a whole root (a parameter after Module.to), that root: no other
-    tensor shares it (a copy_ can hand a tensor another's array), no other view caches it, no
+    tensor shares it (`.data =` hands a tensor another's array), no other view caches it, no
     autograd graph keeps it for a backward still to come (runtime.capture releases a region's
     inputs once its graph is freed). Such an array's buffer can be given to the program that
     computes the tensor's next value. The count is taken against an object held the same way,
