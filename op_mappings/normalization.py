@@ -76,21 +76,10 @@ def _training_normalization_forward(values, weight, bias, eps):
 def _training_normalization_backward(eps, saved, cotangents):
     values, weight, bias, mean, inverse_std = saved
     grad = cotangents[0]  # the statistics get none: _batch_norm stops their gradient
-    shape = _channel_shape(values)
-    axes = (0,) + tuple(range(2, values.ndim))
-    count = values.size // values.shape[1]
-    normalized = (values - mean.reshape(shape)) * inverse_std.reshape(shape)
-    grad_bias = jnp.sum(grad, axis=axes)
-    grad_weight = jnp.sum(grad * normalized, axis=axes)
-    scale = inverse_std if weight is None else weight.astype(values.dtype) * inverse_std
-    grad_input = scale.reshape(shape) * (
-        grad - (grad_bias / count).reshape(shape) - normalized * (grad_weight / count).reshape(shape)
+    grad_input, grad_weight, grad_bias = _batch_norm_backward(
+        grad, values, weight, None, None, mean, inverse_std, True, eps, (True, weight is not None, bias is not None)
     )
-    return (
-        grad_input,
-        None if weight is None else grad_weight.astype(weight.dtype),
-        None if bias is None else grad_bias.astype(bias.dtype),
-    )
+    return grad_input, grad_weight, None if bias is None else grad_bias.astype(bias.dtype)
 
 
 _training_normalization.defvjp(_training_normalization_forward, _training_normalization_backward)

@@ -783,11 +783,9 @@ class Region:
         self._state_cache = _StateCache(tensors, roots, self.owners, key)
         return roots, key
 
-    def _roots(self, tensors=None):
+    def _roots(self, tensors):
         """The state: roots of the region's tensors, and for each the tensor that autograd
         knows (a parameter is often an alias of its root; its gradient is the root's)."""
-        if tensors is None:
-            tensors = list(self.state_roots() if self.state_roots else []) + self.extra_roots
         roots, owners, seen = [], [], {}
         for tensor in tensors:
             if not isinstance(tensor, BridgeTensor):
