@@ -149,19 +149,23 @@ _full_attention.defvjp(_full_attention_forward, _full_attention_backward)
 
 def _causal_block(query, key, is_causal, attn_mask):
     """The query block size of `_blocked_causal` where it applies (causal, no explicit mask,
-    square, at least 512 long and a multiple of the block), else 0."""
+    square, at least 512 long and a multiple of the block), else 0.
+
+    Four blocks: GPT-2 small's float32 step on an H100 took 172.7 ms with four, 173.3 with two
+    and 178.4 with eight (benchmarks/results/gpt2_fp32_blocks_*.md): more blocks skip more
+    products but run more, smaller matrix products and slices."""
     length = query.shape[-2]
     if not is_causal or attn_mask is not None or key.shape[-2] != length or length < 512:
         return 0
-    block = max(128, length // 8)
+    block = max(128, length // 4)
     return block if length % block == 0 else 0
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _blocked_causal(query, key, value, scale, block, precision):
     """Causal attention by query blocks: block i attends to keys [0, (i + 1) * block) only, so
-    the score blocks above the diagonal, all masked, are never computed (56% of the products
-    of a full score matrix at 8 blocks). Each block's rows are whole softmax rows, so the
+    the score blocks above the diagonal, all masked, are never computed (at 4 blocks, 10 of the
+    16 blocks of a full score matrix are). Each block's rows are whole softmax rows, so the
     result is the full computation's, term by term. The backward recomputes each block's
     probabilities from the saved logsumexp (no score matrix is kept between the passes), as
     torch's fused kernels do. Returns (output in the accumulator dtype, logsumexp)."""
@@ -210,8 +214,9 @@ def _blocked_causal_backward(scale, block, precision, residuals, cotangents):
     # The barrier keeps XLA from merging this pass's recomputed score blocks (and its slices
     # of the query, key and value) with the forward's identical ones: merged, every layer's
     # score blocks stayed alive from the forward to its backward, as saved probabilities would.
-    # GPT-2 small in float32 on an H100: peak 16.23 -> 11.97 GiB (torch eager: 12.15), for a
-    # step 6 ms longer (172.7 -> 178.6 ms) spent recomputing the scores, as torch's kernel does.
+    # GPT-2 small in float32 on an H100, at 8 blocks: peak 16.23 -> 11.97 GiB (torch eager
+    # 12.15), for a step 6 ms longer (172.7 -> 178.6 ms) spent recomputing the scores, as
+    # torch's kernel does.
     query, key, value, out, logsumexp = lax.optimization_barrier(residuals)
     grad_out, grad_logsumexp = cotangents
     accumulator = _accumulator(query.dtype)
