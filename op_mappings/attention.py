@@ -164,8 +164,8 @@ def _causal_block(query, key, is_causal, attn_mask):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _blocked_causal(query, key, value, scale, block, precision):
     """Causal attention by query blocks: block i attends to keys [0, (i + 1) * block) only, so
-    the score blocks above the diagonal, all masked, are never computed (at 4 blocks, 10 of the
-    16 blocks of a full score matrix are). Each block's rows are whole softmax rows, so the
+    the score blocks above the diagonal, all masked, are never computed (at 4 blocks, 10 of a
+    full score matrix's 16 blocks are computed). Each block's rows are whole softmax rows, so the
     result is the full computation's, term by term. The backward recomputes each block's
     probabilities from the saved logsumexp (no score matrix is kept between the passes), as
     torch's fused kernels do. Returns (output in the accumulator dtype, logsumexp)."""
