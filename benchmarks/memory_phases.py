@@ -29,21 +29,16 @@ GIB = 2**30
 
 def _reader(kind):
     """() -> (in use, peak) in bytes, and a function resetting the peak where it can be."""
+    import run
+
+    def read():
+        in_use, peak = run.device_memory(kind)
+        return in_use or 0, peak or 0
+
     if kind == "torch":
         import torch
 
-        def read():
-            return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
-
         return read, torch.cuda.reset_peak_memory_stats
-    import jax
-
-    device = jax.devices()[0]
-
-    def read():
-        stats = device.memory_stats() or {}
-        return stats.get("bytes_in_use", 0), stats.get("peak_bytes_in_use", 0)
-
     return read, lambda: None
 
 

@@ -50,18 +50,22 @@ CASES = {
 EAGER_STEPS = 4
 
 
-def _peak_memory(kind):
+def device_memory(kind):
+    """(bytes in use, peak bytes) of the device's allocator: torch's, or JAX's for the first
+    device; (None, None) where the backend keeps no statistics."""
     try:
         if kind == "torch":
             import torch
 
-            return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None
+            if not torch.cuda.is_available():
+                return None, None
+            return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
         import jax
 
         stats = jax.devices()[0].memory_stats() or {}
-        return stats.get("peak_bytes_in_use")
+        return stats.get("bytes_in_use"), stats.get("peak_bytes_in_use")
     except Exception:  # noqa: BLE001 - a backend without memory statistics
-        return None
+        return None, None
 
 
 def setup(workload, precision, case, tiny):
@@ -139,7 +143,7 @@ def worker(workload, precision, case, steps, tiny):
         "step_ms_max": max(steady) * 1e3,
         "first_step_s": times[0],
         "step_times_ms": [round(t * 1e3, 2) for t in times[1:]],
-        "peak_memory_gib": (_peak_memory(kind) or 0) / 2**30 or None,
+        "peak_memory_gib": (device_memory(kind)[1] or 0) / 2**30 or None,
         "losses": [losses[0], losses[-1]],
         "full_garbage_collections": pauses,  # [step index (0: the first step), ms]
     }

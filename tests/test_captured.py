@@ -357,11 +357,15 @@ def test_module_changes_between_replays_are_seen(captured, before, edit):
                 torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(
+# SGD with momentum and AdamW: each keeps state per parameter (one flat array, two).
+STATEFUL_OPTIMIZERS = pytest.mark.parametrize(
     "make",
     [lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), lambda params: torch.optim.AdamW(params, lr=1e-2)],
     ids=["sgd", "adamw"],
 )
+
+
+@STATEFUL_OPTIMIZERS
 def test_optimizer_step_reuses_parameter_buffers_no_one_else_holds(captured, make):
     """The update program takes the parameters' old buffers for their new values
     (runtime.tensor.held_only_by_their_tensors) once the step's graph has been freed; a
@@ -394,11 +398,7 @@ def test_optimizer_step_reuses_parameter_buffers_no_one_else_holds(captured, mak
             torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize(
-    "make",
-    [lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9), lambda params: torch.optim.AdamW(params, lr=1e-2)],
-    ids=["sgd-momentum", "adamw"],
-)
+@STATEFUL_OPTIMIZERS
 def test_optimizer_state_is_held_once(captured, make):
     """The optimizer's state lives in flat arrays (runtime.optimizers.flat_state); the
     per-parameter state arrays torch's first step made must not stay alive beside them
