@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from op_mappings import flash_attention
 from runtime import config
 from runtime.registry import aten, register_mapping
 
@@ -37,6 +38,8 @@ def _attention(query, key, value, is_causal, attn_mask, scale, plain=False):
         # Grouped-query attention: each key/value head serves a contiguous group of query heads.
         key = jnp.repeat(key, query_heads // key_heads, axis=-3)
         value = jnp.repeat(value, query_heads // key_heads, axis=-3)
+    if _fused_float32(query, key, value, attn_mask):
+        return flash_attention.flash_attention(query, key, value, is_causal, scale, config.matmul_precision())
     if plain:
         out, logsumexp = _full_attention_forward(query, key, value, attn_mask, is_causal, scale, config.matmul_precision())[0]
         return out.astype(query.dtype), logsumexp
@@ -46,6 +49,18 @@ def _attention(query, key, value, is_causal, attn_mask, scale, plain=False):
         return out.astype(query.dtype), logsumexp
     out, logsumexp = _full_attention(query, key, value, attn_mask, is_causal, scale, config.matmul_precision())
     return out.astype(query.dtype), logsumexp
+
+
+def _fused_float32(query, key, value, attn_mask):
+    """Whether float32 attention runs as the Pallas kernel: on an NVIDIA GPU, for the inputs it
+    takes (`flash_attention.applies`), unless BRIDGE_FUSED_ATTENTION=0."""
+    return (
+        config.settings.fused_attention
+        and query.dtype == jnp.float32
+        and key.dtype == value.dtype == jnp.float32
+        and flash_attention.applies(query, key, value, attn_mask)
+        and _on_gpu()
+    )
 
 
 def _scores(query, key, attn_mask, is_causal, scale, precision):

@@ -38,6 +38,9 @@ class Settings:
         # torch's NCHW: None decides by platform (conv_channels_last()).
         flag = os.environ.get("BRIDGE_CONV_CHANNELS_LAST")
         self.conv_channels_last = None if flag is None else flag != "0"
+        # float32 attention on NVIDIA GPUs runs as one Pallas (Triton) kernel
+        # (op_mappings/flash_attention.py); "0" keeps XLA's blocked form instead.
+        self.fused_attention = os.environ.get("BRIDGE_FUSED_ATTENTION", "1") != "0"
 
 
     @property
