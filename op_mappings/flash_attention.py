@@ -22,12 +22,11 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-# Block sizes (query rows, key rows) and Triton's warps per program and pipeline depth, chosen
-# by benchmarks/attention_kernel.py on an H100 for GPT-2 small's shape (see BLOCKS' note there).
-BLOCK_QUERY = 64
-BLOCK_KEY = 64
-NUM_WARPS = 4
-NUM_STAGES = 2
+# (query rows, key rows) per block, Triton's warps per program and pipeline depth, for the
+# forward and for the backward's kernels: chosen by benchmarks/attention_kernel.py on an H100 for
+# GPT-2 small's shape (benchmarks/results/attention_kernel_h100*.md).
+FORWARD = (64, 64, 4, 2)
+BACKWARD = (64, 64, 4, 2)
 
 HEAD_SIZES = (16, 32, 64, 128)
 
@@ -35,7 +34,7 @@ HEAD_SIZES = (16, 32, 64, 128)
 def applies(query, key, value, attn_mask):
     """Whether the kernel takes these inputs: 4-d, no explicit mask, equal head sizes of a
     supported size, and lengths that are multiples of both block sizes."""
-    block = max(BLOCK_QUERY, BLOCK_KEY)
+    block = max(*FORWARD[:2], *BACKWARD[:2])
     return (
         attn_mask is None
         and query.ndim == 4
@@ -52,18 +51,32 @@ def flash_attention(query, key, value, causal, scale, precision, interpret=False
     """(output, logsumexp of the scaled, masked scores), both float32 for float32 inputs.
 
     Causal attention aligns the mask to the top-left corner (query i sees keys 0..i), as torch
-    does; `blocks` is (block_query, block_key, num_warps, num_stages), None for the defaults."""
+    does. `blocks`: (forward, backward) settings as FORWARD and BACKWARD, None for those.
+
+    On a GPU, full float32 precision (`Precision.HIGHEST`) runs each product as three TF32
+    tensor-core products (`DotAlgorithmPreset.TF32_TF32_F32_X3`): float32 products on Triton's
+    FMA path took 17 times torch's time, and the three-pass form measured as close to a float64
+    reference as torch's own float32 kernel (benchmarks/results/attention_kernel_h100.md)."""
     return _forward(query, key, value, causal, scale, precision, interpret, blocks)[0]
 
 
-def _settings(blocks):
-    return blocks or (BLOCK_QUERY, BLOCK_KEY, NUM_WARPS, NUM_STAGES)
+def _products(precision, interpret):
+    """The dot precision the kernels use for the torch precision asked for (see flash_attention)."""
+    if precision == lax.Precision.HIGHEST and not interpret:
+        return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return precision
 
 
 def _compiler_params(num_warps, num_stages):
     from jax.experimental.pallas import triton as plgpu
 
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def _dot(a, b, trans_a=False, trans_b=False, precision=None):
+    """a @ b of 2-d blocks (either transposed first), accumulated in float32."""
+    dimensions = (((0 if trans_a else 1,), (1 if trans_b else 0,)), ((), ()))
+    return lax.dot_general(a, b, dimensions, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _causal_mask(first_row, first_col, rows, cols):
@@ -81,14 +94,14 @@ def _forward_kernel(query_ref, key_ref, value_ref, out_ref, logsumexp_ref, *, ca
     def step(index, carry, masked):
         row_max, total, acc = carry
         keys = pl.ds(index * block_key, block_key)
-        scores = pl.dot(query, key_ref[keys, :], trans_b=True, precision=precision) * scale
+        scores = _dot(query, key_ref[keys, :], trans_b=True, precision=precision) * scale
         if masked:
             scores = jnp.where(_causal_mask(first, index * block_key, block_query, block_key), scores, -jnp.inf)
         new_max = jnp.maximum(row_max, jnp.max(scores, axis=1))
         weights = jnp.exp(scores - new_max[:, None])
         correction = jnp.exp(row_max - new_max)
         total = total * correction + jnp.sum(weights, axis=1)
-        acc = acc * correction[:, None] + pl.dot(weights, value_ref[keys, :], precision=precision)
+        acc = acc * correction[:, None] + _dot(weights, value_ref[keys, :], precision=precision)
         return new_max, total, acc
 
     carry = (
@@ -116,7 +129,8 @@ def _over_key_blocks(step, carry, causal, first, block_query, block_key, key_len
 
 
 def _forward(query, key, value, causal, scale, precision, interpret, blocks):
-    block_query, block_key, num_warps, num_stages = _settings(blocks)
+    block_query, block_key, num_warps, num_stages = blocks[0] if blocks else FORWARD
+    precision = _products(precision, interpret)
     batch, heads, length, size = query.shape
     key_length = key.shape[-2]
     kernel = functools.partial(_forward_kernel, causal=causal, scale=float(scale), precision=precision, block_key=block_key)
@@ -157,15 +171,15 @@ def _key_grads_kernel(
         rows = pl.ds(index * block_query, block_query)
         query = query_ref[rows, :]
         grad_out = grad_out_ref[rows, :]
-        scores = pl.dot(query, key, trans_b=True, precision=precision) * scale
+        scores = _dot(query, key, trans_b=True, precision=precision) * scale
         probabilities = jnp.exp(scores - logsumexp_ref[rows][:, None])
         if masked:
             allowed = _causal_mask(index * block_query, first_key, block_query, block_key)
             probabilities = jnp.where(allowed, probabilities, 0.0)
-        grad_value = grad_value + pl.dot(probabilities, grad_out, trans_a=True, precision=precision)
-        grad_probabilities = pl.dot(grad_out, value, trans_b=True, precision=precision)
+        grad_value = grad_value + _dot(probabilities, grad_out, trans_a=True, precision=precision)
+        grad_probabilities = _dot(grad_out, value, trans_b=True, precision=precision)
         grad_scores = probabilities * (grad_probabilities - delta_ref[rows][:, None])
-        grad_key = grad_key + pl.dot(grad_scores, query, trans_a=True, precision=precision)
+        grad_key = grad_key + _dot(grad_scores, query, trans_a=True, precision=precision)
         return grad_key, grad_value
 
     carry = (jnp.zeros((block_key, size), jnp.float32), jnp.zeros((block_key, size), jnp.float32))
@@ -198,13 +212,13 @@ def _query_grads_kernel(
     def step(index, grad_query, masked):
         keys = pl.ds(index * block_key, block_key)
         key = key_ref[keys, :]
-        scores = pl.dot(query, key, trans_b=True, precision=precision) * scale
+        scores = _dot(query, key, trans_b=True, precision=precision) * scale
         probabilities = jnp.exp(scores - logsumexp[:, None])
         if masked:
             probabilities = jnp.where(_causal_mask(first, index * block_key, block_query, block_key), probabilities, 0.0)
-        grad_probabilities = pl.dot(grad_out, value_ref[keys, :], trans_b=True, precision=precision)
+        grad_probabilities = _dot(grad_out, value_ref[keys, :], trans_b=True, precision=precision)
         grad_scores = probabilities * (grad_probabilities - delta[:, None])
-        return grad_query + pl.dot(grad_scores, key, precision=precision)
+        return grad_query + _dot(grad_scores, key, precision=precision)
 
     grad_query = jnp.zeros((block_query, size), jnp.float32)
     grad_query = _over_key_blocks(step, grad_query, causal, first, block_query, block_key, key_ref.shape[0])
@@ -212,7 +226,8 @@ def _query_grads_kernel(
 
 
 def _backward(causal, scale, precision, interpret, blocks, residuals, cotangents):
-    block_query, block_key, num_warps, num_stages = _settings(blocks)
+    block_query, block_key, num_warps, num_stages = blocks[1] if blocks else BACKWARD
+    precision = _products(precision, interpret)
     query, key, value, out, logsumexp = residuals
     grad_out, grad_logsumexp = cotangents
     batch, heads, length, size = query.shape

@@ -16,7 +16,8 @@ from jax import lax
 from op_mappings import flash_attention as fa
 
 CASES = [
-    # (batch, heads, query length, key length, head size, causal, (block_query, block_key, warps, stages))
+    # (batch, heads, query length, key length, head size, causal, (block_query, block_key, warps,
+    # stages)): the same blocks forward and backward
     (1, 2, 128, 128, 16, True, (32, 32, 4, 2)),
     (2, 1, 128, 128, 32, False, (32, 32, 4, 2)),
     (1, 1, 128, 128, 32, True, (64, 32, 4, 2)),  # a query block spans two key blocks
@@ -44,7 +45,7 @@ def test_kernel_matches_torch(bridged, case):
     torch_float32 = _torch(q, k, v, grad, causal, torch.float32)
 
     def attend(q, k, v):
-        return fa.flash_attention(q, k, v, causal, size**-0.5, lax.Precision.HIGHEST, True, blocks)[0]
+        return fa.flash_attention(q, k, v, causal, size**-0.5, lax.Precision.HIGHEST, True, (blocks, blocks))[0]
 
     out, pullback = jax.vjp(attend, *(jnp.asarray(t.numpy()) for t in (q, k, v)))
     ours = (out, *pullback(jnp.asarray(grad.numpy())))
@@ -72,7 +73,7 @@ def test_logsumexp_and_its_cotangent(bridged):
         return jax.nn.softmax(scores, axis=-1) @ v, jax.nn.logsumexp(scores, axis=-1)
 
     def kernel(q, k, v):
-        return fa.flash_attention(q, k, v, True, scale, lax.Precision.HIGHEST, True, (32, 32, 4, 2))
+        return fa.flash_attention(q, k, v, True, scale, lax.Precision.HIGHEST, True, ((32, 32, 4, 2),) * 2)
 
     expected, full_pullback = jax.vjp(full, *(jnp.asarray(x, jnp.float64) for x in (q, k, v)))
     got, kernel_pullback = jax.vjp(kernel, *(jnp.asarray(x) for x in (q, k, v)))
