@@ -26,7 +26,7 @@ from jax.experimental import pallas as pl
 # forward and for the backward's kernels: chosen by benchmarks/attention_kernel.py on an H100 for
 # GPT-2 small's shape (benchmarks/results/attention_kernel_h100*.md).
 FORWARD = (64, 64, 4, 2)
-BACKWARD = (64, 64, 4, 2)
+BACKWARD = (64, 32, 4, 2)
 
 HEAD_SIZES = (16, 32, 64, 128)
 
