@@ -93,6 +93,7 @@ def test_logsumexp_and_its_cotangent(bridged):
         (((2, 4, 256, 80),) * 3, None, False),  # head size the kernel has no tiling for
         (((2, 4, 256, 64), (2, 4, 256, 64), (2, 4, 256, 32)), None, False),  # value head size differs
         (((12, 256, 64),) * 3, None, False),  # 3-d
+        (((2, 4, 256, 64), (1, 4, 256, 64), (1, 4, 256, 64)), None, False),  # a broadcast batch
     ],
 )
 def test_which_inputs_the_kernel_takes(shapes, mask, takes):
