@@ -41,6 +41,9 @@ class Settings:
         # float32 attention on NVIDIA GPUs runs as one Pallas (Triton) kernel
         # (op_mappings/flash_attention.py); "0" keeps XLA's blocked form instead.
         self.fused_attention = os.environ.get("BRIDGE_FUSED_ATTENTION", "1") != "0"
+        # Compile a captured region's backward before its first split forward runs
+        # (runtime/capture.py `_compile_backward`): None decides by platform (GPUs only).
+        self.compile_backward_ahead = None
 
 
     @property

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import torch
 
+from . import devices
 from .config import settings
 
 _state = {"key": None, "seed": 0}
@@ -23,10 +24,22 @@ def get_seed():
     return _state["seed"]
 
 
+def _seeded_key():
+    key = jax.random.key(np.uint64(_state["seed"]) if _state["seed"] >= 2**63 else _state["seed"])
+    return _placed(key)
+
+
+def _placed(key):
+    """The key on the first bridge device, committed there, as the captured programs that take
+    and return it leave it: an uncommitted first key made the first program compile again on
+    its second call."""
+    return jax.device_put(key, devices.jax_device(0))
+
+
 def current_key():
     """The generator's key, without advancing it (what a captured program takes and returns)."""
     if _state["key"] is None:
-        _state["key"] = jax.random.key(np.uint64(_state["seed"]) if _state["seed"] >= 2**63 else _state["seed"])
+        _state["key"] = _seeded_key()
     return _state["key"]
 
 
@@ -34,7 +47,7 @@ def next_key():
     """A fresh key for one random op; advances the state."""
     key = _state["key"]
     if key is None:
-        key = jax.random.key(np.uint64(_state["seed"]) if _state["seed"] >= 2**63 else _state["seed"])
+        key = _seeded_key()
     key, sub = jax.random.split(key)
     _state["key"] = key
     return sub
@@ -44,7 +57,7 @@ def get_state():
     """The generator's state as bytes (what torch.cuda.get_rng_state returns as a uint8 tensor)."""
     key = _state["key"]
     if key is None:
-        key = jax.random.key(np.uint64(_state["seed"]) if _state["seed"] >= 2**63 else _state["seed"])
+        key = _seeded_key()
     data = np.asarray(jax.random.key_data(key), dtype=np.uint32)
     return np.uint64(_state["seed"]).tobytes() + data.tobytes()
 
@@ -54,7 +67,7 @@ def set_state(state):
     state = bytes(state)
     _state["seed"] = int(np.frombuffer(state[:8], dtype=np.uint64)[0])
     data = np.frombuffer(state[8:], dtype=np.uint32)
-    _state["key"] = jax.random.wrap_key_data(jax.numpy.asarray(data))
+    _state["key"] = _placed(jax.random.wrap_key_data(jax.numpy.asarray(data)))
 
 
 def generator_key(generator):

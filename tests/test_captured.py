@@ -612,6 +612,45 @@ def test_channels_last_convolutions_match_torch(bridged, mode):
         bridged.set_mode(previous_mode)
 
 
+def test_backward_compiled_before_the_first_forward_runs(captured, caplog):
+    """On GPUs the first split run compiles its backward before running its forward, so that
+    XLA's autotuning does not come on top of the forward's residuals (here forced on the CPU):
+    the backward program is compiled once, ahead of the forward, and the steps match torch."""
+    import jax
+
+    from runtime.config import settings
+
+    previous = settings.compile_backward_ahead
+    settings.compile_backward_ahead = True
+    jax.config.update("jax_log_compiles", True)
+    try:
+        torch.manual_seed(0)
+        reference, model = _pair(_ConvNet())
+        opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        with caplog.at_level("WARNING", logger="jax"):
+            for _ in range(3):
+                x, y = torch.randn(4, 3, 12, 12), torch.randint(0, 4, (4,))
+                for net, optimizer, device in ((reference, opt_ref, "cpu"), (model, opt, "cuda")):
+                    F.cross_entropy(net(x.to(device)), y.to(device)).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        settings.compile_backward_ahead = previous
+    # jax_log_compiles: "Compiling jit(f) ..." as each program is lowered, "Finished XLA
+    # compilation of jit(f) ..." as XLA has compiled it.
+    messages = [record.getMessage() for record in caplog.records]
+    lowered = [m.split()[1] for m in messages if m.startswith("Compiling jit(")]
+    compiled = [m.split()[4] for m in messages if m.startswith("Finished XLA compilation of jit(")]
+    # Once each over three steps (the first key is placed as the programs leave it, so the
+    # forward's second call compiles nothing new); the backward before the forward.
+    assert lowered.count("jit(_pull)") == 1 and lowered.count("jit(forward)") == 1
+    assert compiled.index("jit(_pull)") < compiled.index("jit(forward)")
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_eager_mode_captures_nothing(bridged):
     previous = bridged.set_mode("eager")
     capture.reset()
