@@ -59,7 +59,7 @@ def flash_attention(query, key, value, causal, scale, precision, interpret=False
 
     On a GPU, full float32 precision (`Precision.HIGHEST`) runs each product as three TF32
     tensor-core products (`DotAlgorithmPreset.TF32_TF32_F32_X3`): float32 products on Triton's
-    FMA path took 17 times torch's time, and the three-pass form measured as close to a float64
+    FMA path took about 18 times torch's time, and the three-pass form measured as close to a float64
     reference as torch's own float32 kernel (benchmarks/results/attention_kernel_h100.md)."""
     return _forward(query, key, value, causal, scale, precision, interpret, blocks)[0]
 
@@ -72,6 +72,7 @@ def _products(precision, interpret):
 
 
 def _compiler_params(num_warps, num_stages):
+    # Imported when a kernel is built for a GPU (28 ms): the interpreter and CPUs never need it.
     from jax.experimental.pallas import triton as plgpu
 
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
