@@ -2,6 +2,7 @@
 the CPU with torch's RNG, one copy moved to 'cuda' (the bridge), losses compared step by step."""
 
 import copy
+import functools
 import os
 import re
 import sys
@@ -114,11 +115,17 @@ def _losses(output):
     return [float(value) for value in re.findall(r"loss ([0-9.]+)", output)]
 
 
+@functools.lru_cache(maxsize=None)
+def _plain_run(path, args):
+    """The script under plain torch: the same for both run modes, so it runs once."""
+    return run_python(path, *args, env={"CUDA_VISIBLE_DEVICES": ""})
+
+
 @pytest.mark.parametrize("run_mode", ["captured", "eager"])
 @pytest.mark.parametrize("script,args", [("gpt_char.py", ["--steps", "20"]), ("cnn.py", ["--steps", "20"])])
 def test_unmodified_example_script_under_runner(script, args, run_mode):
     path = os.path.join(REPO, "examples", script)
-    plain = run_python(path, *args, env={"CUDA_VISIBLE_DEVICES": ""})
+    plain = _plain_run(path, tuple(args))
     assert plain.returncode == 0, plain.stderr
     bridged = run_python("-m", "bridge", "run", "--mode", run_mode, path, *args)
     assert bridged.returncode == 0, bridged.stderr
