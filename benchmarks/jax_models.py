@@ -1,6 +1,7 @@
 """Hand-written JAX (flax + optax) versions of the benchmark workloads: the reference a user
 who rewrote the torch script in JAX would have. Same shapes, initialization scheme, optimizer
-and step (forward, loss, gradients, clipping at 1.0, AdamW, the loss read on the host)."""
+and step (GPT-2: forward, loss, gradients, clipping at 1.0, AdamW; ResNet-50: SGD with momentum;
+the loss read on the host each step)."""
 
 import functools
 import math
@@ -82,6 +83,101 @@ def gpt_setup(config, batch, bf16):
 
     def step():
         carry["params"], carry["state"], loss = train_step(carry["params"], carry["state"])
+        return float(loss)
+
+    return step
+
+
+# torchvision initializes convolutions with kaiming_normal_(mode="fan_out", nonlinearity="relu").
+_conv_init = nn.initializers.variance_scaling(2.0, "fan_out", "normal")
+
+
+class Bottleneck(nn.Module):
+    """torchvision's ResNet-50 block (v1.5: the stride sits on the 3x3 convolution)."""
+
+    width: int
+    stride: int
+
+    @nn.compact
+    def __call__(self, x):
+        conv = functools.partial(nn.Conv, use_bias=False, kernel_init=_conv_init)
+        norm = functools.partial(nn.BatchNorm, use_running_average=False, momentum=0.9, epsilon=1e-5)
+        out = nn.relu(norm()(conv(self.width, (1, 1))(x)))
+        out = conv(self.width, (3, 3), strides=self.stride, padding=((1, 1), (1, 1)))(out)
+        out = nn.relu(norm()(out))
+        out = norm()(conv(4 * self.width, (1, 1))(out))
+        if self.stride != 1 or x.shape[-1] != 4 * self.width:
+            x = norm()(conv(4 * self.width, (1, 1), strides=self.stride)(x))
+        return nn.relu(out + x)
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet-18 block (the --tiny smoke run)."""
+
+    width: int
+    stride: int
+
+    @nn.compact
+    def __call__(self, x):
+        conv = functools.partial(nn.Conv, use_bias=False, kernel_init=_conv_init, padding=((1, 1), (1, 1)))
+        norm = functools.partial(nn.BatchNorm, use_running_average=False, momentum=0.9, epsilon=1e-5)
+        out = nn.relu(norm()(conv(self.width, (3, 3), strides=self.stride)(x)))
+        out = norm()(conv(self.width, (3, 3))(out))
+        if self.stride != 1 or x.shape[-1] != self.width:
+            x = norm()(nn.Conv(self.width, (1, 1), strides=self.stride, use_bias=False, kernel_init=_conv_init)(x))
+        return nn.relu(out + x)
+
+
+
+class ResNet(nn.Module):
+    """torchvision's ResNet in flax, channels last (NHWC), the layout XLA's GPU convolutions
+    prefer: what a user writing ResNet-50 in JAX would write."""
+
+    stages: tuple
+    block: type
+    classes: int
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(64, (7, 7), strides=2, padding=((3, 3), (3, 3)), use_bias=False, kernel_init=_conv_init)(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=False, momentum=0.9, epsilon=1e-5)(x))
+        x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=((1, 1), (1, 1)))
+        for stage, blocks in enumerate(self.stages):
+            for index in range(blocks):
+                stride = 2 if stage > 0 and index == 0 else 1
+                x = self.block(64 * 2**stage, stride)(x)
+        return nn.Dense(self.classes)(jnp.mean(x, axis=(1, 2)))
+
+
+def resnet_setup(batch, size=224, tiny=False):
+    """ResNet-50 (ResNet-18 with 10 classes when tiny), SGD with momentum 0.9 and weight decay
+    1e-4 as torch.optim.SGD applies them (decay added to the gradient before the momentum)."""
+    if tiny:
+        model, classes = ResNet((2, 2, 2, 2), BasicBlock, 10), 10
+    else:
+        model, classes = ResNet((3, 4, 6, 3), Bottleneck, 1000), 1000
+    x = jax.random.normal(jax.random.key(0), (batch, size, size, 3), jnp.float32)
+    y = jax.random.randint(jax.random.key(1), (batch,), 0, classes)
+    variables = model.init(jax.random.key(2), x)
+    params, batch_stats = variables["params"], variables["batch_stats"]
+    optimizer = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9))
+    state = optimizer.init(params)
+
+    def loss_fn(params, batch_stats):
+        logits, updated = model.apply({"params": params, "batch_stats": batch_stats}, x, mutable=["batch_stats"])
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, updated["batch_stats"]
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1, 2))
+    def train_step(params, batch_stats, state):
+        (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, batch_stats)
+        updates, state = optimizer.update(grads, state, params)
+        return optax.apply_updates(params, updates), batch_stats, state, loss
+
+    carry = {"params": params, "batch_stats": batch_stats, "state": state}
+
+    def step():
+        carry["params"], carry["batch_stats"], carry["state"], loss = train_step(carry["params"], carry["batch_stats"], carry["state"])
         return float(loss)
 
     return step

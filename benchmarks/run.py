@@ -38,10 +38,12 @@ CASES = {
         ("bf16", "torch-compile"),
         ("fp32", "torch-compile"),
         ("fp32", "bridge-eager"),
+        ("bf16", "bridge-eager"),
     ],
     "resnet50": [
         ("fp32", "torch"),
         ("fp32", "torch-compile"),
+        ("fp32", "jax"),
         ("fp32", "bridge-captured"),
         ("fp32", "bridge-eager"),
     ],
@@ -76,8 +78,8 @@ def setup(workload, precision, case, tiny):
     if case == "jax":
         import jax_models
 
-        if workload != "gpt2":
-            raise SystemExit(f"no hand-written JAX version of {workload}")
+        if workload == "resnet50":
+            return jax_models.resnet_setup(batch=4 if tiny else 64, size=32 if tiny else 224, tiny=tiny), "jax"
         config = jax_models_config(tiny)
         if precision == "fp32-high":
             import jax
@@ -229,7 +231,12 @@ def _ratios(results):
         ratio(f"{workload} fp32: bridge captured / torch eager", (workload, "fp32", "bridge-captured"), (workload, "fp32", "torch"))
         ratio(f"{workload} fp32 (high): bridge captured / hand-written JAX (TF32)", (workload, "fp32-high", "bridge-captured"), (workload, "fp32", "jax"))
         ratio(f"{workload} fp32: bridge captured / torch.compile", (workload, "fp32", "bridge-captured"), (workload, "fp32", "torch-compile"))
-        ratio(f"{workload} fp32: bridge eager / torch eager", (workload, "fp32", "bridge-eager"), (workload, "fp32", "torch"))
+        if workload == "resnet50":
+            # Both at their defaults: TF32 convolutions (torch.backends.cudnn.allow_tf32, JAX's
+            # default precision). GPT-2's float32 cases differ in precision: no such ratio.
+            ratio(f"{workload} fp32: bridge captured / hand-written JAX", (workload, "fp32", "bridge-captured"), (workload, "fp32", "jax"))
+        for precision in ("fp32", "bf16"):
+            ratio(f"{workload} {precision}: bridge eager / torch eager", (workload, precision, "bridge-eager"), (workload, precision, "torch"))
         for precision in ("fp32", "bf16"):
             ratio(
                 f"{workload} {precision}: first step, bridge captured / torch.compile",
