@@ -1,0 +1,158 @@
+"""The optimizer's update program alone, in the layouts it could take: GPT-2 small's 148
+parameters, AdamW with the clip folded in and SGD with momentum, their moments in flat arrays.
+
+    python benchmarks/optimizer_update.py [--tiny]
+
+Layouts (each a jitted program donating the parameters and the flat state, as the bridge calls
+it; results compared with the first's):
+- per-parameter: each parameter's new moments computed from its slices, then concatenated
+  into new flat arrays (runtime.optimizers before 2026-11-24);
+- flat moments: the gradients concatenated once, the moments updated as whole flat arrays
+  (elementwise, so their buffers are updated in place), each parameter's update reading its
+  slice of the new moments (runtime.optimizers now).
+Prints the median time of a call with the device idle before it (ms).
+"""
+
+import argparse
+import functools
+import statistics
+import sys
+import os
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import op_mappings  # noqa: E402,F401 - fills the mapping tables the clip arithmetic goes through
+from runtime import optimizers  # noqa: E402
+
+ADAM_STATIC = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, amsgrad=False, maximize=False, max_norm=1.0, norm_type=2.0)
+SGD_STATIC = dict(momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=False, maximize=False, first=False, max_norm=None, norm_type=None)
+
+
+def _adam_per_parameter(params, grads, flat_avgs, flat_sqs, flat_maxes, scalars, clip_grads=None, coefficient=None, **static):
+    """runtime.optimizers.adam_update as it was before 2026-11-24 (moments per parameter, then
+    concatenated)."""
+    grads, clip = optimizers._clipped(grads, clip_grads, coefficient, static["max_norm"], static["norm_type"])
+    count = len(params)
+    decay, step_sizes, bias2_sqrts = scalars[0], scalars[1 : 1 + count], scalars[1 + count :]
+    exp_avgs, exp_avg_sqs = optimizers._split(flat_avgs, params), optimizers._split(flat_sqs, params)
+    beta1, beta2, eps = static["beta1"], static["beta2"], static["eps"]
+    new_params, new_avgs, new_sqs = [], [], []
+    for i, (param, grad, exp_avg, exp_avg_sq) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs)):
+        dtype = param.dtype
+        param = param * decay.astype(dtype)
+        exp_avg = optimizers._lerp(exp_avg, grad, jnp.asarray(1 - beta1, dtype))
+        exp_avg_sq = exp_avg_sq * jnp.asarray(beta2, dtype)
+        exp_avg_sq = exp_avg_sq + jnp.asarray(1 - beta2, dtype) * grad * grad
+        denom = jnp.sqrt(exp_avg_sq) / bias2_sqrts[i].astype(dtype) + jnp.asarray(eps, dtype)
+        new_params.append(param + step_sizes[i].astype(dtype) * (exp_avg / denom))
+        new_avgs.append(exp_avg)
+        new_sqs.append(exp_avg_sq)
+    return new_params, optimizers._join(new_avgs), optimizers._join(new_sqs), None, clip
+
+
+def _sgd_per_parameter(params, grads, flat_buffers, lr, clip_grads=None, coefficient=None, **static):
+    grads, clip = optimizers._clipped(grads, clip_grads, coefficient, static["max_norm"], static["norm_type"])
+    buffers = optimizers._split(flat_buffers, params)
+    new_params, new_buffers = [], []
+    for param, grad, buffer in zip(params, grads, buffers):
+        dtype = param.dtype
+        grad = grad + jnp.asarray(static["weight_decay"], dtype) * param
+        buffer = buffer * jnp.asarray(static["momentum"], dtype) + jnp.asarray(1 - static["dampening"], dtype) * grad
+        new_buffers.append(buffer)
+        new_params.append(param + (-lr).astype(dtype) * buffer)
+    return new_params, optimizers._join(new_buffers), clip
+
+
+def gpt2_shapes(tiny):
+    import torch
+
+    import models
+
+    config = models.GPT2_TINY if tiny else models.GPT2_SMALL
+    with torch.device("meta"):
+        model = models.GPT(**config)
+    return [tuple(p.shape) for p in model.parameters()]
+
+
+def _time(function, arguments, donated, repeats):
+    """Median ms of a call, feeding each call's results back as the next call's inputs."""
+    samples = []
+    params, flats = arguments[0], list(arguments[donated[0] : donated[-1] + 1])
+    for index in range(repeats + 3):
+        call = list(arguments)
+        call[0] = params
+        call[donated[0] : donated[-1] + 1] = flats
+        jax.block_until_ready(call)
+        start = time.perf_counter()
+        result = function(*call)
+        jax.block_until_ready(result)
+        if index >= 3:
+            samples.append((time.perf_counter() - start) * 1e3)
+        params, flats = result[0], [value for value in result[1 : 1 + len(flats)]]
+    return statistics.median(samples), result
+
+
+def _distance(values, reference):
+    """How far results are from the reference's: identical, or how many differ and by how much
+    (the same arithmetic fused differently may round a product and a sum once, as a fused
+    multiply-add, or twice)."""
+    if np.array_equal(values, reference):
+        return "identical"
+    differ = np.count_nonzero(values != reference)
+    largest = np.max(np.abs(values - reference))
+    return f"{differ} of {values.size} values differ, by at most {largest:.1e} (largest value {np.max(np.abs(reference)):.1e})"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--repeats", type=int, default=30)
+    options = parser.parse_args(argv)
+    shapes = gpt2_shapes(options.tiny)
+    total = sum(int(np.prod(shape)) for shape in shapes)
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}: {len(shapes)} parameters, {total:,} values")
+    rng = np.random.default_rng(0)
+
+    def arrays(scale):
+        return [jnp.asarray(rng.standard_normal(shape, dtype=np.float32) * scale) for shape in shapes]
+
+    def fresh_adam():
+        params, grads = arrays(0.02), arrays(1e-3)
+        avgs = jnp.asarray(rng.standard_normal(total, dtype=np.float32) * 1e-3)
+        sqs = jnp.asarray(rng.random(total, dtype=np.float32) * 1e-6)
+        scalars = np.array([1 - 3e-4 * 0.1] + [-3e-4 / (1 - 0.9**5)] * len(shapes) + [(1 - 0.999**5) ** 0.5] * len(shapes), np.float32)
+        return [params, grads, avgs, sqs, None, scalars, grads]
+
+    def fresh_sgd():
+        params, grads = arrays(0.02), arrays(1e-3)
+        buffers = jnp.asarray(rng.standard_normal(total, dtype=np.float32) * 1e-3)
+        return [params, grads, buffers, np.array(0.1, np.float32)]
+
+    cases = (
+        ("adam", "per-parameter", _adam_per_parameter, ADAM_STATIC, fresh_adam, (2, 3)),
+        ("adam", "flat moments", optimizers.adam_update.__wrapped__, ADAM_STATIC, fresh_adam, (2, 3)),
+        ("sgd", "per-parameter", _sgd_per_parameter, SGD_STATIC, fresh_sgd, (2,)),
+        ("sgd", "flat moments", optimizers.sgd_update.__wrapped__, SGD_STATIC, fresh_sgd, (2,)),
+    )
+    reference = {}
+    for optimizer, layout, update, static, fresh, donated in cases:
+        function = jax.jit(functools.partial(update, **static), donate_argnums=(0,) + donated)
+        rng = np.random.default_rng(0)
+        first = function(*fresh())  # one call from fixed inputs: the layouts must agree bit for bit
+        values = np.concatenate([np.ravel(v) for v in jax.tree_util.tree_leaves(first[:-1])])
+        same = "reference" if optimizer not in reference else _distance(values, reference[optimizer])
+        reference.setdefault(optimizer, values)
+        rng = np.random.default_rng(1)
+        ms, _ = _time(function, fresh(), donated, options.repeats)
+        print(f"{optimizer:5s} {layout:14s} {ms:8.3f} ms   results {same}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
