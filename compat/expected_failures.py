@@ -48,11 +48,6 @@ ZERO_GRADIENT_ON_CPU = (
     "runtime: torch's autograd formula or engine makes this zero gradient with {op}(..., device='cpu') "
     "(the device a bridge tensor reports to C++), so the gradient comes back as a plain CPU tensor"
 )
-MATRIX_EXP_ROUNDING = (
-    "rounding: torch's Taylor polynomial of degree 18 (Bader, Blanes, Casas) and jax.scipy's Pade approximant "
-    "round differently; the bridge's result is as close to the float64 one as torch's (float32 5x5x5 sample: "
-    "bridge 0.031 from float64, torch 0.05)"
-)
 FFT_ROUNDING = (
     "rounding: XLA's FFT and pocketfft round differently on outputs that sum 360 terms; the bridge's result is "
     "as close to the float64 one as torch's (float32: 2.3e-5 against 2.2e-5)"
@@ -138,17 +133,6 @@ OPINFO = {
             F16,
             FORWARD,
         ),
-        ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.complex64,), FORWARD, kinds=("rounding",)),
-        ExpectedFailure(
-            "float32 gradients: the first sample's is rounding (bridge 0.0057 from the float64 one at most, torch "
-            "0.0064); the batched sample's is 0.072 from the float64 one at most "
-            "(0.70 summed), torch's 0.011 (0.14): the derivative of jax.scipy's Pade approximant loses more "
-            "in float32 than torch's derivative of its Taylor polynomial",
-            (torch.float32,),
-            BACKWARD,
-            kinds=("rounding", "mismatch"),
-        ),
-        ExpectedFailure(MATRIX_EXP_ROUNDING, (torch.float32,), FORWARD, quick=False, kinds=("rounding",)),
     ],
     "nn.functional.soft_margin_loss": [
         ExpectedFailure(
