@@ -128,7 +128,6 @@ class BasicBlock(nn.Module):
         return nn.relu(out + x)
 
 
-
 class ResNet(nn.Module):
     """torchvision's ResNet in flax, channels last (NHWC), the layout XLA's GPU convolutions
     prefer: what a user writing ResNet-50 in JAX would write."""
