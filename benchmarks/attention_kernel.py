@@ -119,7 +119,7 @@ def main():
     import torch
     from jax import lax
 
-    from op_mappings import attention, flash_attention
+    from bridge.op_mappings import attention, flash_attention
 
     jax.config.update("jax_enable_x64", True)  # as under the bridge
     batch, heads, length, size = (int(n) for n in args.shape.split(","))

@@ -26,8 +26,8 @@ import numpy as np  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
 
-from op_mappings import normalization  # noqa: E402
-from runtime.config import KEEP_FOR_BACKWARD  # noqa: E402
+from bridge.op_mappings import normalization  # noqa: E402
+from bridge.runtime.config import KEEP_FOR_BACKWARD  # noqa: E402
 
 SHAPES = [(64, 64, 112, 112), (64, 64, 56, 56), (64, 256, 56, 56), (64, 128, 28, 28), (64, 512, 28, 28), (64, 1024, 14, 14), (64, 2048, 7, 7)]
 

@@ -84,7 +84,7 @@ def main(argv=None):
     row("torch matmul 64x64 (CPU tensor, bridge inactive)", torch_mm, "us")
 
     import bridge
-    from runtime.tensor import read_value
+    from bridge.runtime.tensor import read_value
 
     bridge.activate(mode="eager")
     torch_add_active = per_call_us(lambda: torch.add(a, b))

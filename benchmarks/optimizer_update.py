@@ -28,8 +28,8 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import op_mappings  # noqa: E402,F401 - fills the mapping tables the clip arithmetic goes through
-from runtime import optimizers  # noqa: E402
+import bridge.op_mappings  # noqa: E402,F401 - fills the mapping tables the clip arithmetic goes through
+from bridge.runtime import optimizers  # noqa: E402
 
 ADAM_STATIC = dict(beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, decoupled=True, amsgrad=False, maximize=False, max_norm=1.0, norm_type=2.0)
 SGD_STATIC = dict(momentum=0.9, dampening=0.0, weight_decay=1e-4, nesterov=False, maximize=False, first=False, max_norm=None, norm_type=None)

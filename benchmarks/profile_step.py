@@ -293,7 +293,7 @@ def worker(spec, warmup, steps, out, tiny, phases=False, gaps=False):
         if gaps:
             text += profiled[4]
         if case.startswith("bridge"):
-            from runtime import capture
+            from bridge.runtime import capture
 
             text += "\n## bridge\n" + json.dumps(capture.summary(), indent=1, default=str) + "\n"
     with open(os.path.join(out, spec.replace(":", "_") + ".txt"), "w") as handle:

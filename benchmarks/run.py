@@ -150,7 +150,7 @@ def worker(workload, precision, case, steps, tiny):
         "full_garbage_collections": pauses,  # [step index (0: the first step), ms]
     }
     if case.startswith("bridge"):
-        from runtime import capture
+        from bridge.runtime import capture
 
         result["compiles"] = len(capture.compiles)
         result["optimizer_steps_as_one_program"] = dict(capture.fused_steps)

@@ -12,7 +12,11 @@ BRIDGE_DEVICE, BRIDGE_MODE, BRIDGE_STRICT, BRIDGE_REPORT, BRIDGE_QUIET override 
 
 import contextlib
 
-from runtime.errors import (  # noqa: F401  (re-exported for users)
+from bridge import _layers
+
+_layers.install()  # before the first import of bridge.runtime
+
+from bridge.runtime.errors import (  # noqa: E402,F401  (re-exported for users)
     ActivationError,
     BridgeError,
     BridgeWarning,
@@ -21,10 +25,11 @@ from runtime.errors import (  # noqa: F401  (re-exported for users)
     MappingDtypeWarning,
     MappingMismatchError,
     UnsupportedOpError,
+    UnsupportedVersionError,
 )
 
-from . import report  # noqa: F401
-from .activation import activate, deactivate, is_active, set_mode
+from . import report  # noqa: E402,F401
+from .activation import activate, deactivate, is_active, set_mode  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -53,6 +58,7 @@ __all__ = [
     "MappingMismatchError",
     "DeviceError",
     "ActivationError",
+    "UnsupportedVersionError",
     "BridgeWarning",
     "CPUFallbackWarning",
     "MappingDtypeWarning",

@@ -2,6 +2,10 @@
 
 import sys
 
-from bridge.cli import main
+from bridge import _layers
+
+_layers.check_not_shadowed("python -m bridge")
+
+from bridge.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -5,9 +5,9 @@ import os
 
 import jax
 
-from runtime import capture, random, stats
-from runtime.config import settings
-from runtime.errors import ActivationError
+from bridge.runtime import capture, random, stats, versions
+from bridge.runtime.config import settings
+from bridge.runtime.errors import ActivationError
 
 # The patch surfaces, applied in this order and undone in reverse.
 SURFACES = (
@@ -47,6 +47,7 @@ def activate(device="auto", strict=False, check_signatures=True, mode=None):
     """
     if _state["active"]:
         return
+    versions.check_supported()
     if device not in _PLATFORMS:
         raise ActivationError(f"device={device!r} is not one of {sorted(_PLATFORMS)}")
     mode = mode or os.environ.get("BRIDGE_MODE") or "captured"
@@ -58,7 +59,7 @@ def activate(device="auto", strict=False, check_signatures=True, mode=None):
     jax.config.update("jax_enable_x64", True)
     _configure_xla()
     _use_compilation_cache()
-    import op_mappings  # noqa: F401  (registers the tables)
+    import bridge.op_mappings  # noqa: F401  (registers the tables)
     import torch
 
     settings.platform = _PLATFORMS[device]

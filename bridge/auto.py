@@ -7,8 +7,12 @@ BRIDGE_MODE (captured|eager), BRIDGE_STRICT=1, BRIDGE_REPORT=path.json, BRIDGE_Q
 import atexit
 import os
 
-import bridge
-from bridge import report
+from bridge import _layers
+
+_layers.check_not_shadowed("import bridge.auto")
+
+import bridge  # noqa: E402
+from bridge import report  # noqa: E402
 
 
 def _flag(name):

@@ -76,6 +76,11 @@ def _parser():
         add_help=False,
     )
     coverage.add_argument("args", nargs=argparse.REMAINDER, help="options of the coverage report (--help)")
+    commands.add_parser(
+        "doctor",
+        help="print the torch, JAX and Python versions found, JAX's backend and devices, and what to install",
+        description="Exit code 0 when everything fits, 1 with advice when something does not.",
+    )
     return parser
 
 
@@ -140,6 +145,10 @@ def main(argv=None):
             device=options.device,
             mode=options.mode,
         )
+    if options.command == "doctor":
+        from bridge.doctor import main as doctor_main
+
+        return doctor_main()
     if options.command == "compare":
         from bridge.compare import compare_script
 
@@ -153,7 +162,7 @@ def main(argv=None):
 def _coverage(argv):
     # compat sits above bridge in the layers (it measures bridge's public API); the CLI is
     # the one place that reaches up, lazily, so that `python -m bridge coverage` exists.
-    from compat.coverage import main as coverage_main
+    from bridge.compat.coverage import main as coverage_main
 
     return coverage_main(argv)
 

@@ -4,7 +4,7 @@ import html
 import json
 import sys
 
-from runtime import capture, stats
+from bridge.runtime import capture, stats
 
 
 def _data():

@@ -187,10 +187,10 @@ def run_sweeps(only=None, quick=False, progress=None, databases=("opinfo", "modu
     results = {"opinfo": None, "moduleinfo": None}
     for database in databases:
         if only:
-            result = harness.run_sweep_process(f"compat.{database}", quick=quick, only=only, progress=progress)
+            result = harness.run_sweep_process(f"bridge.compat.{database}", quick=quick, only=only, progress=progress)
         else:  # every entry: two child processes at once (one per core of the machines CI runs on)
-            names = importlib.import_module(f"compat.{database}").entry_names()
-            result = harness.run_sweep_parallel(f"compat.{database}", names, workers=2, quick=quick, progress=progress)
+            names = importlib.import_module(f"bridge.compat.{database}").entry_names()
+            result = harness.run_sweep_parallel(f"bridge.compat.{database}", names, workers=2, quick=quick, progress=progress)
         if not only or result["records"]:
             results[database] = result
     return results
@@ -458,7 +458,7 @@ def build(results, command, quick, only=None, started=None):
     """The report as plain data (what the JSON holds; the Markdown and HTML are views of it)."""
     import jax
 
-    from runtime.registry import MAPPINGS
+    from bridge.runtime.registry import MAPPINGS
 
     _load_tables()
 
@@ -553,7 +553,7 @@ def _load_tables():
     import jax
 
     jax.config.update("jax_enable_x64", True)
-    import op_mappings  # noqa: F401
+    import bridge.op_mappings  # noqa: F401
 
 
 def _listed_failures():

@@ -11,7 +11,7 @@ from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import bridge
-from runtime import stats
+from bridge.runtime import stats
 
 BRIDGE_DEVICE = "cuda"
 
@@ -510,7 +510,7 @@ class FirstDivergence(TorchDispatchMode):
 
 
 def _draws_random_numbers(func):
-    from runtime.registry import MAPPINGS
+    from bridge.runtime.registry import MAPPINGS
 
     mapping = MAPPINGS.get(func)
     return (mapping is not None and mapping.rng) or torch.Tag.nondeterministic_seeded in func.tags
@@ -601,7 +601,7 @@ def merge_ops(target, ops):
 
 
 def sweep_main(module, argv=None):
-    """`python -m compat.opinfo [--quick] [--only A,B] [--entries A,B]`: one database's sweep as
+    """`python -m bridge.compat.opinfo [--quick] [--only A,B] [--entries A,B]`: one database's sweep as
     JSON lines on stdout: the plan (entry names), then per entry a "start" line, its records and a
     "done" line with the ATen ops it dispatched, so that a parent process learns which entry was
     running if this one dies."""

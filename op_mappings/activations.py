@@ -5,8 +5,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from runtime.dtypes import DEFAULT, INT_TO_FLOAT, NO_OPMATH
-from runtime.registry import MAPPINGS, aten, differentiate_as_torch, register_mapping
+from bridge.runtime.dtypes import DEFAULT, INT_TO_FLOAT, NO_OPMATH
+from bridge.runtime.registry import MAPPINGS, aten, differentiate_as_torch, register_mapping
 
 
 # Scalar parameters (slopes, thresholds) never take part in promotion: torch keeps the input's dtype.

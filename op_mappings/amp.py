@@ -2,7 +2,7 @@
 
 import jax.numpy as jnp
 
-from runtime.registry import aten, register_mapping
+from bridge.runtime.registry import aten, register_mapping
 
 
 

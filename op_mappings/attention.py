@@ -12,9 +12,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from op_mappings import flash_attention
-from runtime import config
-from runtime.registry import aten, register_mapping
+from bridge.op_mappings import flash_attention
+from bridge.runtime import config
+from bridge.runtime.registry import aten, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -268,7 +268,7 @@ def _check_dropout(dropout_p):
 
 
 def _on_gpu():
-    from runtime import devices
+    from bridge.runtime import devices
 
     return devices.jax_device(0).platform == "gpu"
 

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from runtime import config
-from runtime.registry import aten, register_mapping
+from bridge.runtime import config
+from bridge.runtime.registry import aten, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

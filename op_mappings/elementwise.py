@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from runtime import registry
-from runtime.dtypes import ALWAYS_BOOL, BOOL_TO_LONG, COMPLEX_TO_FLOAT, DEFAULT, INT_TO_FLOAT, NO_OPMATH
-from runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime import registry
+from bridge.runtime.dtypes import ALWAYS_BOOL, BOOL_TO_LONG, COMPLEX_TO_FLOAT, DEFAULT, INT_TO_FLOAT, NO_OPMATH
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 
 
 # Ops whose result is exact in any dtype skip torch's "opmath" upcast of bfloat16/float16 (NO_OPMATH):

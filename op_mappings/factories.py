@@ -11,8 +11,8 @@ import numpy as np
 from jax import lax
 import torch
 
-from runtime import dtypes
-from runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime import dtypes
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 
 
 

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 import jax.scipy.linalg
 
-from runtime.registry import aten, register_mapping
+from bridge.runtime.registry import aten, register_mapping
 
 
 # ---------------------------------------------------------------- helpers

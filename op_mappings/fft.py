@@ -10,7 +10,7 @@ import math
 
 import jax.numpy as jnp
 
-from runtime.registry import aten, register_mapping
+from bridge.runtime.registry import aten, register_mapping
 
 _MOST_AXES = 3
 

@@ -7,7 +7,7 @@ reuse the promoted `call`s of the elementwise and reduction tables. The in-place
 
 import jax.numpy as jnp
 
-from runtime.registry import MAPPINGS, aten, jnp_dtype, register_mapping
+from bridge.runtime.registry import MAPPINGS, aten, jnp_dtype, register_mapping
 
 from . import elementwise, reductions  # noqa: F401  (their entries are reused below)
 

@@ -13,8 +13,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from runtime import config
-from runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime import config
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SUPPORTED = (jnp.dtype(jnp.float32), *_LOW_PRECISION)

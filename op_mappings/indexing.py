@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from runtime.registry import aten, register_mapping
+from bridge.runtime.registry import aten, register_mapping
 
 from .shapes import wrap_dim
 

@@ -9,8 +9,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from runtime import config
-from runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime import config
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _FLOAT32 = jnp.dtype(jnp.float32)

@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from jax import lax
 
-from runtime import config, dtypes
-from runtime.registry import TolerantNamespace, aten, jnp_dtype, register_mapping
+from bridge.runtime import config, dtypes
+from bridge.runtime.registry import TolerantNamespace, aten, jnp_dtype, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _NONE, _MEAN, _SUM = 0, 1, 2

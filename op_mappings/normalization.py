@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
-from runtime import config
-from runtime.registry import MAPPINGS, aten, differentiate_as_torch, register_mapping
+from bridge.runtime import config
+from bridge.runtime.registry import MAPPINGS, aten, differentiate_as_torch, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from runtime.registry import jnp_dtype, prims, register_mapping
+from bridge.runtime.registry import jnp_dtype, prims, register_mapping
 
 
 _UNARY = {

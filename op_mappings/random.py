@@ -11,8 +11,8 @@ import numpy as np
 import torch
 from jax import lax
 
-from runtime.dtypes import TORCH_TO_JAX
-from runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime.dtypes import TORCH_TO_JAX
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 

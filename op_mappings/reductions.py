@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from runtime import dtypes
-from runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime import dtypes
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 
 
 

@@ -14,8 +14,8 @@ import jax.scipy.special as jax_special
 import torch
 from jax import lax
 
-from runtime.dtypes import INT_TO_FLOAT
-from runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime.dtypes import INT_TO_FLOAT
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 
 
 def _horner(x, coefficients):

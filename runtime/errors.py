@@ -25,6 +25,10 @@ class ActivationError(BridgeError):
     """The bridge was activated in a way it cannot honour."""
 
 
+class UnsupportedVersionError(ActivationError):
+    """The installed torch or JAX is outside the releases the bridge supports."""
+
+
 class BridgeWarning(UserWarning):
     """Base class of the bridge's warnings."""
 
@@ -39,5 +43,6 @@ class MappingDtypeWarning(BridgeWarning):
 
 # Users meet these as bridge.<Name> (tracebacks print the module).
 for _error in (BridgeError, UnsupportedOpError, MappingMismatchError, DeviceError, ActivationError,
+               UnsupportedVersionError,
                BridgeWarning, CPUFallbackWarning, MappingDtypeWarning):
     _error.__module__ = "bridge"

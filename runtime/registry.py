@@ -90,15 +90,21 @@ def _cast(value, dtype):
     return value
 
 
+MISSING_OPS = set()  # every operator name the tables asked for and the installed torch lacks
+
+
 class MissingOp:
     """An operator (or overload) the installed torch does not have; registering it does nothing.
 
-    The tables name ops of torch 2.11 to 2.13; an op added in a later version must not
-    stop the tables from loading on an earlier one.
+    The tables name ops of every supported torch; an op added in a later release, or removed
+    in one, must not stop the tables from loading. Each name is recorded in `MISSING_OPS`, which
+    a test holds against runtime/versions.py's list of such ops, so that a typo does not pass
+    for a version difference.
     """
 
     def __init__(self, name):
         self.name = name
+        MISSING_OPS.add(name)
 
     def __getattr__(self, attribute):
         if attribute.startswith("__"):

@@ -8,9 +8,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-import op_mappings  # noqa: E402,F401  (registers the tables)
-from runtime import dtypes  # noqa: E402
-from runtime.registry import MAPPINGS  # noqa: E402
+import bridge.op_mappings  # noqa: E402,F401  (registers the tables)
+from bridge.runtime import dtypes  # noqa: E402
+from bridge.runtime.registry import MAPPINGS  # noqa: E402
 
 
 def to_jax(value):
@@ -68,9 +68,9 @@ def through_bridge(function, *inputs, differentiable=True):
     Also checks that every op ran from the tables (no CPU fallback) and that no result
     needed a dtype correction against torch's meta kernels.
     """
-    from runtime import stats
-    from runtime.tensor import to_bridge
-    from runtime.tensor import to_torch as bridge_to_torch
+    from bridge.runtime import stats
+    from bridge.runtime.tensor import to_bridge
+    from bridge.runtime.tensor import to_torch as bridge_to_torch
 
     stats.reset()
     eager = [value.clone().requires_grad_(differentiable and value.is_floating_point()) for value in inputs]

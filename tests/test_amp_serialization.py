@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 
 from conftest import run_python
-from runtime import BridgeTensor
+from bridge.runtime import BridgeTensor
 
 
 def _model():
@@ -112,7 +112,7 @@ def test_load_state_dict_into_bridged_model(bridged):
 
 
 def test_grad_scaler_ops_are_mapped_and_back_off_on_overflow(bridged):
-    from runtime import stats
+    from bridge.runtime import stats
 
     grads = [torch.tensor([1.0, float("inf")], device="cuda"), torch.tensor([2.0, 4.0], device="cuda")]
     found = torch.zeros((), device="cuda")

@@ -66,7 +66,7 @@ def test_block_rule_vjp_includes_the_logsumexp_cotangent(bridged):
     float64 (the bridge enables JAX's 64-bit types)."""
     from jax import lax
 
-    from op_mappings.attention import _blocked_causal
+    from bridge.op_mappings.attention import _blocked_causal
 
     rng = np.random.default_rng(0)
     q, k, v = (jnp.asarray(rng.standard_normal((1, 2, 512, 8))) for _ in range(3))

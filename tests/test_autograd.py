@@ -10,7 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from runtime import BridgeTensor
+from bridge.runtime import BridgeTensor
 
 DEVICES = ("cpu", "cuda")
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from compat.harness import judge_against_float64
-from runtime import capture
-from runtime.tensor import read_value
+from bridge.compat.harness import judge_against_float64
+from bridge.runtime import capture
+from bridge.runtime.tensor import read_value
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ class WithLoss(torch.nn.Module):
 @pytest.fixture(params=["all", "matmuls"])
 def fused_residuals(request):
     """What fused runs keep for their backward part (BRIDGE_FUSED_RESIDUALS): the results must not change."""
-    from runtime.config import settings
+    from bridge.runtime.config import settings
 
     previous, settings.fused_residuals = settings.fused_residuals, request.param
     try:
@@ -584,7 +584,7 @@ def test_channels_last_convolutions_match_torch(bridged, mode):
     """Convolutions that give their result channels-last before the transpose to NCHW (the
     default on GPUs: runtime.config.conv_channels_last), with the loss outside the model so
     that captured runs split into a forward and a backward program."""
-    from runtime.config import settings
+    from bridge.runtime.config import settings
 
     previous_mode, previous_layout = bridged.set_mode(mode), settings.conv_channels_last
     settings.conv_channels_last = True
@@ -618,7 +618,7 @@ def test_backward_compiled_before_the_first_forward_runs(captured, caplog):
     the backward program is compiled once, ahead of the forward, and the steps match torch."""
     import jax
 
-    from runtime.config import settings
+    from bridge.runtime.config import settings
 
     previous = settings.compile_backward_ahead
     settings.compile_backward_ahead = True
@@ -897,7 +897,7 @@ def test_activations_and_layer_norm_keep_what_torch_keeps(captured, monkeypatch,
     of its size), and the gradients are torch's."""
     import jax
 
-    from runtime.config import settings
+    from bridge.runtime.config import settings
 
     monkeypatch.setattr(settings, "residuals", "all")  # every residual JAX would keep
     torch.manual_seed(0)

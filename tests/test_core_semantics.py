@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from runtime import BridgeTensor
+from bridge.runtime import BridgeTensor
 
 
 def _pair(tensor):
@@ -425,7 +425,7 @@ def test_compiled_entries_key_scalars_exactly(bridged):
     # A fresh entry (a shared one may have stopped compiling floats after other tests' calls).
     import jax.numpy as jnp
 
-    from runtime.compiled_ops import CompiledEntry
+    from bridge.runtime.compiled_ops import CompiledEntry
 
     entry = CompiledEntry(torch.ops.aten.mul.Tensor, jnp.multiply)
     ones = jnp.ones(4, dtype=jnp.float32)
@@ -474,7 +474,7 @@ def test_operators_still_go_through_autograd_modes_and_autocast(bridged):
 def test_changing_matmul_precision_recompiles_eager_matmuls(bridged, monkeypatch):
     # An op compiled for eager mode whose trace read torch's precision setting is keyed on it:
     # a script that changes the setting mid-run gets programs traced under the new one.
-    from runtime import config
+    from bridge.runtime import config
 
     reads = []
     real = config.matmul_precision

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from compat import coverage, harness
+from bridge.compat import coverage, harness
 
 SNAPSHOT = os.path.join(os.path.dirname(coverage.__file__), "reports", "coverage.json")
 SNAPSHOT_MARKDOWN = os.path.join(os.path.dirname(coverage.__file__), "reports", "coverage.md")
@@ -62,7 +62,7 @@ def test_core_aten_list_is_torch_core_tag():
 def test_snapshot_is_a_whole_sweep():
     report = _load(SNAPSHOT)
     assert report["only"] is None
-    from compat import moduleinfo, opinfo
+    from bridge.compat import moduleinfo, opinfo
 
     assert {row["entry"] for row in report["opinfo"]} >= set(opinfo.entry_names()) - set(report["totals"]["opinfo"].get("no_records", []))
     assert {row["entry"].rsplit(".", 1)[0] for row in report["moduleinfo"]} == set(moduleinfo.entry_names())

@@ -9,7 +9,7 @@ import torch
 import torch.nn as nn
 import torch.utils._device
 
-from runtime import BridgeTensor
+from bridge.runtime import BridgeTensor
 
 FACTORIES = {
     "zeros": lambda: torch.zeros(2, 3),

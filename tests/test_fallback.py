@@ -28,7 +28,7 @@ def _define_custom_op():
 
 
 def test_unmapped_op_runs_on_cpu_and_warns_once(bridged):
-    from runtime import stats
+    from bridge.runtime import stats
 
     mystery = _define_custom_op()
     x = torch.arange(3.0, device="cuda")
@@ -48,7 +48,7 @@ def test_unmapped_op_runs_on_cpu_and_warns_once(bridged):
 
 
 def test_strict_mode_names_op_and_line(bridged):
-    from runtime.config import settings
+    from bridge.runtime.config import settings
 
     mystery = _define_custom_op()
     x = torch.arange(3.0, device="cuda")

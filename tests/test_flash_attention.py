@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from jax import lax
 
-from op_mappings import flash_attention as fa
+from bridge.op_mappings import flash_attention as fa
 
 CASES = [
     # (batch, heads, query length, key length, head size, causal, (block_query, block_key, warps,

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from torch.utils.data import DataLoader, TensorDataset, random_split
 
-from runtime import BridgeTensor, capture
+from bridge.runtime import BridgeTensor, capture
 
 
 def _host(seed):

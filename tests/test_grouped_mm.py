@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import BridgeTensor, capture
-from runtime.errors import CPUFallbackWarning
+from bridge.runtime import BridgeTensor, capture
+from bridge.runtime.errors import CPUFallbackWarning
 
 # The kernels want 16-byte aligned strides: sizes are multiples of 8.
 GROUPS, M, K, N = 3, 8, 16, 24
@@ -211,8 +211,8 @@ def test_jax_gradients_of_the_entry_match_torch_for_every_layout(bridged, dtype)
     import jax.numpy as jnp
     import numpy as np
 
-    from runtime.registry import MAPPINGS
-    from runtime.tensor import numpy_to_torch, torch_to_numpy
+    from bridge.runtime.registry import MAPPINGS
+    from bridge.runtime.tensor import numpy_to_torch, torch_to_numpy
 
     entry = MAPPINGS[torch.ops.aten._grouped_mm.default].call
     for layout, offsets in CASES:

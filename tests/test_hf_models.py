@@ -30,7 +30,7 @@ transformers = pytest.importorskip(
     "transformers", reason='the hf test group needs HuggingFace transformers: pip install -e ".[hf]"'
 )
 
-from runtime import stats  # noqa: E402
+from bridge.runtime import stats  # noqa: E402
 
 pytestmark = pytest.mark.hf
 

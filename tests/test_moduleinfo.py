@@ -3,14 +3,14 @@ dtype and mode): forward and backward, train and eval, must pass or be listed ex
 
 import pytest
 
-from compat import harness, moduleinfo
+from bridge.compat import harness, moduleinfo
 
 MODULES = moduleinfo.entry_names()
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    return harness.run_sweep_parallel("compat.moduleinfo", MODULES, workers=2, quick=True)
+    return harness.run_sweep_parallel("bridge.compat.moduleinfo", MODULES, workers=2, quick=True)
 
 
 def test_every_module_ran(sweep):
@@ -26,7 +26,7 @@ def test_module(sweep, module):
 
 
 def test_listed_failures_name_real_modules():
-    from compat import expected_failures
+    from bridge.compat import expected_failures
 
     known = set(MODULES) | {f"{name}.{mode}" for name in MODULES for mode in ("train", "eval")}
     unknown = sorted(set(expected_failures.MODULEINFO) - known)

@@ -3,7 +3,7 @@ dtype): every result must be a pass, a skip of the database's own, or a listed e
 
 import pytest
 
-from compat import harness, opinfo
+from bridge.compat import harness, opinfo
 
 ENTRIES = opinfo.entry_names()
 
@@ -11,7 +11,7 @@ ENTRIES = opinfo.entry_names()
 @pytest.fixture(scope="module")
 def sweep():
     # In child processes: a crash or a hang costs one entry, and the bridge stays off here.
-    return harness.run_sweep_parallel("compat.opinfo", ENTRIES, workers=2, quick=True)
+    return harness.run_sweep_parallel("bridge.compat.opinfo", ENTRIES, workers=2, quick=True)
 
 
 def test_every_entry_ran(sweep):
@@ -27,7 +27,7 @@ def test_entry(sweep, entry):
 
 
 def test_listed_failures_name_real_entries():
-    from compat import expected_failures
+    from bridge.compat import expected_failures
 
     unknown = sorted(set(expected_failures.OPINFO) - set(ENTRIES))
     assert not unknown, f"compat/expected_failures.py lists entries OpInfo does not have: {unknown}"

@@ -9,7 +9,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.testing import make_tensor  # noqa: E402
 
-import op_mappings  # noqa: E402,F401  (registers the tables)
+import bridge.op_mappings  # noqa: E402,F401  (registers the tables)
 from op_testing import assert_same, run_mapping, through_bridge  # noqa: E402
 
 aten = torch.ops.aten

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-import op_mappings  # noqa: F401  (registers the tables)
-from runtime.registry import MAPPINGS
+import bridge.op_mappings  # noqa: F401  (registers the tables)
+from bridge.runtime.registry import MAPPINGS
 from op_testing import run_mapping as run, to_jax, to_torch, through_bridge  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
@@ -423,7 +423,7 @@ def test_in_place_indexing_through_bridge(bridged):
 
 
 def test_factories_and_item_through_bridge(bridged):
-    from runtime.tensor import to_torch as bridge_to_torch
+    from bridge.runtime.tensor import to_torch as bridge_to_torch
 
     device = torch.device("cuda")
     torch.testing.assert_close(bridge_to_torch(torch.arange(2, 9, 3, device=device)), torch.arange(2, 9, 3))
@@ -440,8 +440,8 @@ def test_factories_and_item_through_bridge(bridged):
 
 
 def test_data_dependent_ops_through_bridge(bridged):
-    from runtime.tensor import to_bridge
-    from runtime.tensor import to_torch as bridge_to_torch
+    from bridge.runtime.tensor import to_bridge
+    from bridge.runtime.tensor import to_torch as bridge_to_torch
 
     value = torch.tensor([[3, 0, 3], [1, 0, 2]])
     bridged_value = to_bridge(value)

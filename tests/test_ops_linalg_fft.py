@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.testing import make_tensor  # noqa: E402
 
-import op_mappings  # noqa: E402,F401  (registers the tables)
+import bridge.op_mappings  # noqa: E402,F401  (registers the tables)
 from op_testing import assert_same, run_mapping, through_bridge  # noqa: E402
 
 aten = torch.ops.aten
@@ -279,7 +279,7 @@ def test_linalg_results_stay_on_the_bridge(bridged, name):
     """torch's C++ composites build some results from `input.options()` (host tensors for a
     bridge input, which reports `cpu` to C++): on empty matrices, every torch.linalg function
     gives bridge tensors, with torch's values."""
-    from runtime import BridgeTensor
+    from bridge.runtime import BridgeTensor
 
     function_name, extra = _EMPTY_CALLS.get(name, (name, ()))
     function = getattr(torch.linalg, function_name)  # the bridge's patched version, if any

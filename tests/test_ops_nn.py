@@ -11,9 +11,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import op_mappings  # noqa: F401  (registers the tables)
-from runtime.registry import MAPPINGS
-from runtime.tensor import numpy_to_torch, torch_to_numpy
+import bridge.op_mappings  # noqa: F401  (registers the tables)
+from bridge.runtime.registry import MAPPINGS
+from bridge.runtime.tensor import numpy_to_torch, torch_to_numpy
 
 jax.config.update("jax_enable_x64", True)
 aten = torch.ops.aten

@@ -21,7 +21,7 @@ from op_testing import through_bridge
     ],
 )
 def test_lazy_module_materializes_on_the_bridge_device(bridged, make, shape):
-    from runtime.tensor import BridgeTensor, to_torch
+    from bridge.runtime.tensor import BridgeTensor, to_torch
 
     eager = make().to(torch.float64)
     moved = make().to("cuda", torch.float64)
@@ -223,7 +223,7 @@ def test_resize_as(bridged):
 
 
 def test_rrelu_with_noise_draws_and_writes_noise(bridged):
-    from runtime.tensor import to_bridge, to_torch
+    from bridge.runtime.tensor import to_bridge, to_torch
 
     x = sample(200, dtype=torch.float32)
     results = []
@@ -267,7 +267,7 @@ def test_float32_lstm_runs_its_onednn_layer_on_the_bridge(bridged, mode, options
     """To torch's C++ a bridge tensor is a CPU tensor, so a float32 nn.LSTM calls oneDNN's
     mkldnn_rnn_layer (and its backward): it was unmapped, ran on the host CPU and broke the
     capture of every module holding an LSTM."""
-    from runtime import capture, stats
+    from bridge.runtime import capture, stats
 
     previous = bridged.set_mode(mode)
     capture.reset()

@@ -11,8 +11,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import op_mappings  # noqa: F401  (registers the tables)
-from runtime.registry import MAPPINGS
+import bridge.op_mappings  # noqa: F401  (registers the tables)
+from bridge.runtime.registry import MAPPINGS
 
 jax.config.update("jax_enable_x64", True)
 aten = torch.ops.aten

@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from torch.testing import make_tensor  # noqa: E402
 
-import op_mappings  # noqa: E402,F401  (registers the tables)
+import bridge.op_mappings  # noqa: E402,F401  (registers the tables)
 from op_testing import assert_same, run_mapping, through_bridge  # noqa: E402
 
 aten = torch.ops.aten
@@ -280,14 +280,14 @@ def _optimizer_run(parameters, step):
 
 
 def _to_bridge(value):
-    from runtime.tensor import to_bridge
+    from bridge.runtime.tensor import to_bridge
 
     return to_bridge(value)
 
 
 def _compare_optimizer(step):
-    from runtime import stats
-    from runtime.tensor import to_torch as bridge_to_torch
+    from bridge.runtime import stats
+    from bridge.runtime.tensor import to_torch as bridge_to_torch
 
     initial = [sample((4, 3), torch.float32), sample((3,), torch.float32), sample((2, 2), torch.float32)]
     eager = _optimizer_run([torch.nn.Parameter(value.clone()) for value in initial], step)

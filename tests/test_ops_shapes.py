@@ -4,7 +4,7 @@ import jax
 import pytest
 import torch
 
-import op_mappings  # noqa: F401  (registers the tables)
+import bridge.op_mappings  # noqa: F401  (registers the tables)
 from op_testing import run_mapping as run, through_bridge  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)

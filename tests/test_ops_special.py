@@ -8,7 +8,7 @@ jax.config.update("jax_enable_x64", True)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import op_mappings  # noqa: E402,F401  (registers the tables)
+import bridge.op_mappings  # noqa: E402,F401  (registers the tables)
 from op_testing import run_mapping, through_bridge  # noqa: E402
 
 aten = torch.ops.aten

@@ -23,7 +23,7 @@ LOSS_RTOL = 1e-5
 @pytest.fixture(params=["captured", "eager"])
 def mode(request, bridged):
     """Each parity test in both execution modes; captured runs must compile without graph breaks."""
-    from runtime import capture
+    from bridge.runtime import capture
 
     previous = bridged.set_mode(request.param)
     capture.reset()

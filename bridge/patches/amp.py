@@ -10,7 +10,7 @@ answer for it.
 import torch
 import torch.amp.autocast_mode as autocast_mode
 
-from runtime.config import settings
+from bridge.runtime.config import settings
 
 from . import collect, wrap
 

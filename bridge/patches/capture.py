@@ -21,9 +21,9 @@ import weakref
 import numpy as np
 import torch
 
-from runtime import capture, optimizers
-from runtime.config import settings
-from runtime.tensor import BridgeTensor, held_only_by_their_tensors, read_value, root_of, write_value
+from bridge.runtime import capture, optimizers
+from bridge.runtime.config import settings
+from bridge.runtime.tensor import BridgeTensor, held_only_by_their_tensors, read_value, root_of, write_value
 
 from . import Patch
 
@@ -185,15 +185,17 @@ def module_call(wrapped, instance, args, kwargs):
 
 # ---------------------------------------------------------------- custom autograd Functions
 
-_function_apply = vars(torch.autograd.Function)["apply"].__func__
+# A classmethod on Function up to torch 2.13, a C classmethod of _FunctionBase from 2.14:
+# either binds to the subclass through the descriptor protocol.
+_function_apply = inspect.getattr_static(torch.autograd.Function, "apply")
 
 
 def _apply(cls, *args, **kwargs):
     """A custom autograd.Function inside a region: its backward is the user's Python, which a
     region's JAX gradient would not run, so the region runs eagerly (a graph break)."""
-    if settings.tracing and not cls.__module__.startswith("runtime."):
+    if settings.tracing and not cls.__module__.startswith("bridge.runtime."):
         raise capture.GraphBreak(f"the custom autograd.Function {cls.__qualname__} runs inside; its backward is Python")
-    return _function_apply(cls, *args, **kwargs)
+    return _function_apply.__get__(None, cls)(*args, **kwargs)
 
 
 # ---------------------------------------------------------------- torch.compile

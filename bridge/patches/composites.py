@@ -11,7 +11,7 @@ tensor. The functions here put such results on the device of their bridge inputs
 import torch
 from torch.utils import _pytree as pytree
 
-from runtime.tensor import BridgeTensor, to_bridge_autograd
+from bridge.runtime.tensor import BridgeTensor, to_bridge_autograd
 
 from . import Patch
 

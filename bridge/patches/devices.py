@@ -14,12 +14,12 @@ from torch.nn.parameter import UninitializedTensorMixin, is_lazy
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from runtime import devices, random
-from runtime.callsite import user_call_site
-from runtime.config import settings
-from runtime.errors import DeviceError
-from runtime.dispatch import dispatch
-from runtime.tensor import BridgeTensor, to_bridge, to_bridge_autograd
+from bridge.runtime import devices, random
+from bridge.runtime.callsite import user_call_site
+from bridge.runtime.config import settings
+from bridge.runtime.errors import DeviceError
+from bridge.runtime.dispatch import dispatch
+from bridge.runtime.tensor import BridgeTensor, to_bridge, to_bridge_autograd
 
 from . import collect, replace, wrap
 

@@ -8,7 +8,7 @@ the host.
 
 import importlib
 
-from runtime.tensor import BridgeTensor
+from bridge.runtime.tensor import BridgeTensor
 
 from . import Patch
 

@@ -3,7 +3,7 @@
 
 import torch
 
-from runtime import devices, random
+from bridge.runtime import devices, random
 
 from . import collect, replace, wrap
 

@@ -10,8 +10,8 @@ on the CPU and the tensors built on them are moved to the bridge device.
 
 import torch
 
-from runtime import devices
-from runtime.tensor import to_bridge
+from bridge.runtime import devices
+from bridge.runtime.tensor import to_bridge
 
 from . import collect, wrap
 
