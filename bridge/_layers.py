@@ -34,7 +34,8 @@ def install():
     if os.path.isdir(inside_package) or not os.path.exists(beside_package):
         return  # an installed wheel: the layers are real subpackages
     if not any(isinstance(finder, CheckoutLayerFinder) for finder in sys.meta_path):
-        sys.meta_path.append(CheckoutLayerFinder())
+        # First: an editable install of another checkout must not answer for this one's layers.
+        sys.meta_path.insert(0, CheckoutLayerFinder())
 
 
 def check_not_shadowed(how):

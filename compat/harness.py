@@ -30,6 +30,9 @@ ACCEPTED = (PASS, EXPECTED_FAILURE, OPINFO_SKIP, OPINFO_EXPECTED_FAILURE, NO_SAM
 
 FORWARD = "forward"
 BACKWARD = "backward"
+# Gradients of the op run inside a captured region (torch.compile under the bridge), the
+# default mode: the region's backward is the program's, not torch's autograd op by op.
+BACKWARD_CAPTURED = "backward_captured"
 
 
 @dataclasses.dataclass
@@ -52,6 +55,9 @@ class Record:
     # close to the float64 result as torch's own (see judge_against_float64).
     precise: int = 0
     precise_note: str = ""
+    # Captured gradient samples whose region broke and ran eagerly (their gradients are then
+    # eager mode's, which is what a user's program gets there too).
+    graph_breaks: int = 0
 
     def to_json(self):
         return dataclasses.asdict(self)
@@ -249,6 +255,18 @@ def patched(function):
 
 
 # ---------------------------------------------------------------- moving values
+
+
+def captured(function):
+    """`function` as captured mode runs it: `torch.compile` under the bridge, one region."""
+    return torch.compile(function)
+
+
+def graph_breaks():
+    """How many regions have broken so far in this process."""
+    from bridge.runtime import capture
+
+    return len(capture.breaks)
 
 
 def _is_cpu_device(value):

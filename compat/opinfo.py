@@ -9,7 +9,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from . import expected_failures, harness
-from .harness import BACKWARD, FORWARD, Record
+from .harness import BACKWARD, BACKWARD_CAPTURED, FORWARD, Record
 
 DTYPES = (
     torch.float32,
@@ -22,6 +22,7 @@ DTYPES = (
     torch.complex64,
 )
 GRAD_DTYPES = (torch.float32, torch.float64)
+GRADIENT_PHASES = (BACKWARD, BACKWARD_CAPTURED)
 
 # Per-entry time budgets (seconds) for all its dtypes and both phases together.
 QUICK_BUDGET = 30.0
@@ -206,7 +207,7 @@ def _default_tolerance(dtype):
 class _Outcome:
     """The result of one sample: compared (ok or not), or not counted (torch's reference raised)."""
 
-    __slots__ = ("actual", "counted", "culprit", "detail", "fallbacks", "kind", "ok", "ops", "precise", "random")
+    __slots__ = ("actual", "broke", "counted", "culprit", "detail", "fallbacks", "kind", "ok", "ops", "precise", "random")
 
     def __init__(self, counted=True, ok=True, kind="", detail="", random=False):
         self.counted, self.ok, self.kind, self.detail, self.random = counted, ok, kind, detail, random
@@ -215,6 +216,7 @@ class _Outcome:
         self.actual = None  # the bridge's result, kept to judge a mismatch against float64
         self.culprit = ""  # the first ATen op that went wrong (see harness.FirstDivergence)
         self.precise = ""  # passed by test_ops' float64 rule after a mismatch: what it measured
+        self.broke = False  # captured: the region broke and the sample ran eagerly
 
 
 def _not_counted():
@@ -363,6 +365,47 @@ class _TieTolerant:
             raise AssertionError(f"{where}: the indices point at other values: " + harness.mismatch_summary(error)) from None
 
 
+# Gradient samples at special points: every floating input divided by 4 and rounded to an integer
+# (OpInfo's inputs lie in [-9, 9], so the values are -2 to 2), which puts many zeros, ties and
+# the bounds of clamp-like ops (0, ±1) among them, where torch's subgradient conventions decide
+# the gradient. For the entries below: the
+# elementwise and reduction families and the activations, norms and distances of torch.nn.
+SPECIAL_POINT_ENTRIES = {
+    "abs", "clamp", "clamp_min", "clamp_max", "clip", "maximum", "minimum", "fmax", "fmin", "max.binary",
+    "min.binary", "norm", "linalg.vector_norm", "linalg.norm", "dist", "sgn", "sign", "where", "amax", "amin",
+    "nn.functional.relu", "nn.functional.relu6", "nn.functional.hardtanh", "nn.functional.hardswish",
+    "nn.functional.hardsigmoid", "nn.functional.leaky_relu", "nn.functional.elu", "nn.functional.celu",
+    "nn.functional.selu", "nn.functional.threshold", "nn.functional.softplus", "nn.functional.prelu",
+    "nn.functional.hardshrink", "nn.functional.softshrink", "nn.functional.embedding",
+    "nn.functional.normalize", "nn.functional.pdist", "nn.functional.pairwise_distance", "cdist",
+    "nn.functional.silu", "nn.functional.mish", "nn.functional.gelu", "nn.functional.logsigmoid",
+}
+
+
+def _special_points(op, sample):
+    """The sample with its floating inputs rounded to integers, or None where the entry has no
+    special points to test."""
+    if entry_name(op) not in SPECIAL_POINT_ENTRIES:
+        return None
+
+    def rounded(value):
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return (value.detach() / 4).round().requires_grad_(value.requires_grad)
+        return value
+
+    moved = pytree.tree_map(rounded, (sample.input, sample.args, sample.kwargs))
+    return sample.__class__(moved[0], args=moved[1], kwargs=moved[2], output_process_fn_grad=sample.output_process_fn_grad)
+
+
+def _gradient_samples(op, samples):
+    """The database's samples, each followed by its special-point variant where it has one."""
+    for sample in samples:
+        yield sample
+        special = _special_points(op, sample)
+        if special is not None:
+            yield special
+
+
 def _differentiable_positions(leaves):
     return [
         position
@@ -371,8 +414,10 @@ def _differentiable_positions(leaves):
     ]
 
 
-def _backward_sample(op, sample, dtype, mode):
-    """Backward a fixed random cotangent through the differentiable outputs; compare input grads."""
+def _backward_sample(op, sample, dtype, mode, captured=False):
+    """Backward a fixed random cotangent through the differentiable outputs; compare input grads.
+    captured: the op runs inside a captured region (torch.compile under the bridge), so the
+    gradient is the region program's."""
     mode = _sample_mode(op, sample, mode)
     leaves, seen = [], set()
     for value in pytree.tree_leaves((sample.input, sample.args, sample.kwargs)):
@@ -388,6 +433,8 @@ def _backward_sample(op, sample, dtype, mode):
     def bridge_function(*args, **kwargs):
         return op.gradcheck_wrapper(harness.patched(op.op), *args, **kwargs)
 
+    if captured:
+        bridge_function = harness.captured(bridge_function)
     first = _bridge_arguments(sample, keep_grad=True)
     second = _bridge_arguments(sample, keep_grad=True) if mode != "values" else None
     try:
@@ -425,8 +472,10 @@ def _backward_sample(op, sample, dtype, mode):
 
     outcome = _Outcome(random=mode in ("random", "uninitialized"))
     counting = harness.Counting()
+    breaks = harness.graph_breaks()
     with counting:
         _compare_backward(outcome, run, first, second, expected, op, dtype, mode)
+    outcome.broke = captured and harness.graph_breaks() > breaks
     outcome.fallbacks, outcome.ops = counting.fallbacks, counting.ops
     if outcome.kind == "mismatch" and mode == "values":
         _arbitrate(outcome, expected, lambda: _precise_backward(function, sample, leaves, positions, cotangents))
@@ -567,16 +616,19 @@ def _run_phase(op, dtype, phase, quick, deadline, ops_seen):
     torch.manual_seed(0)  # the same samples run to run, whatever ran before
     try:
         with harness.time_limit(deadline.left()) as limit:
-            samples = op.sample_inputs("cpu", dtype, requires_grad=(phase == BACKWARD))
+            samples = op.sample_inputs("cpu", dtype, requires_grad=(phase != FORWARD))
+            if phase != FORWARD:
+                samples = _gradient_samples(op, samples)
             for sample in samples:
                 attempts += 1
                 if phase == FORWARD:
                     outcome = _forward_sample(op, sample, dtype, mode)
                 else:
-                    outcome = _backward_sample(op, sample, dtype, mode)
+                    outcome = _backward_sample(op, sample, dtype, mode, captured=(phase == BACKWARD_CAPTURED))
                 deadline.sample_done(limit)
                 if outcome.counted:
                     record.samples += 1
+                    record.graph_breaks += int(outcome.broke)
                     record.random = record.random or outcome.random
                     fallbacks.update(outcome.fallbacks)
                     harness.merge_ops(ops_seen, outcome.ops)
@@ -587,7 +639,8 @@ def _run_phase(op, dtype, phase, quick, deadline, ops_seen):
                         kinds.add(outcome.kind)
                         if failure is None:
                             failure = outcome
-                if quick and (record.samples >= 1 or attempts >= QUICK_ATTEMPTS):
+                # Quick: the first sample that runs (and its special-point variant).
+                if quick and (record.samples >= (1 if phase == FORWARD or _special_points(op, sample) is None else 2) or attempts >= QUICK_ATTEMPTS):
                     break
     except harness.SampleTimeout:
         record.status = harness.TIMEOUT
@@ -625,7 +678,12 @@ def planned_records(op, dtypes=DTYPES):
     planned = [[name, dtype_name(dtype), FORWARD] for dtype in dtypes if dtype in supported]
     if op.supports_autograd:
         backward_supported = op.supported_backward_dtypes("cpu")
-        planned += [[name, dtype_name(dtype), BACKWARD] for dtype in GRAD_DTYPES if dtype in backward_supported and dtype in dtypes]
+        planned += [
+            [name, dtype_name(dtype), phase]
+            for phase in GRADIENT_PHASES
+            for dtype in GRAD_DTYPES
+            if dtype in backward_supported and dtype in dtypes
+        ]
     return planned
 
 
@@ -644,11 +702,12 @@ def run_entry(op, quick=False, budget=None, dtypes=DTYPES):
             harness.release_compiled_programs()
     if op.supports_autograd:
         backward_supported = op.supported_backward_dtypes("cpu")
-        for dtype in GRAD_DTYPES:
-            if dtype in backward_supported and dtype in dtypes:
-                records.append(_run_phase(op, dtype, BACKWARD, quick, deadline, ops[BACKWARD]))
-                harness.alive()
-                harness.release_compiled_programs()
+        for phase in GRADIENT_PHASES:
+            for dtype in GRAD_DTYPES:
+                if dtype in backward_supported and dtype in dtypes:
+                    records.append(_run_phase(op, dtype, phase, quick, deadline, ops[BACKWARD]))
+                    harness.alive()
+                    harness.release_compiled_programs()
     return records, ops
 
 

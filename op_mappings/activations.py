@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from bridge.runtime.dtypes import DEFAULT, INT_TO_FLOAT, NO_OPMATH
-from bridge.runtime.registry import MAPPINGS, aten, differentiate_as_torch, register_mapping
+from bridge.runtime.registry import MAPPINGS, aten, differentiate_as_torch, register_mapping, use_torch_gradient
 
 
 # Scalar parameters (slopes, thresholds) never take part in promotion: torch keeps the input's dtype.
@@ -293,3 +293,7 @@ def rrelu_with_noise(self, noise, lower=0.125, upper=1.0 / 3.0, training=False, 
     slopes = jnp.where(negative, slopes, jnp.ones((), sampling))
     out = jnp.where(negative, self.astype(sampling) * slopes, self.astype(sampling)).astype(self.dtype)
     return out, {"noise": slopes.astype(noise.dtype)}
+
+# Subgradients at 0 and at the bounds: torch's (relu and threshold give 0 at the threshold,
+# hardtanh passes the gradient at both bounds), not JAX's.
+use_torch_gradient(aten.relu, aten.threshold, aten.hardtanh)

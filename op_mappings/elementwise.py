@@ -9,7 +9,7 @@ from jax import lax
 
 from bridge.runtime import registry
 from bridge.runtime.dtypes import ALWAYS_BOOL, BOOL_TO_LONG, COMPLEX_TO_FLOAT, DEFAULT, INT_TO_FLOAT, NO_OPMATH
-from bridge.runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
 
 
 # Ops whose result is exact in any dtype skip torch's "opmath" upcast of bfloat16/float16 (NO_OPMATH):
@@ -531,3 +531,7 @@ def conj(self):
 @register_mapping(aten.resolve_conj.default, aten.resolve_neg.default)
 def resolve(self):
     return self
+
+# abs at 0 gives 0, clamp passes the gradient at its bounds, as in torch (JAX's clip halves it
+# there, and its masks multiply, so an infinite gradient beyond a bound becomes NaN).
+use_torch_gradient(aten.abs, aten.clamp, aten.clamp_min, aten.clamp_max)

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bridge.runtime.registry import aten, register_mapping
+from bridge.runtime.registry import aten, register_mapping, use_torch_gradient
 
 from .shapes import wrap_dim
 
@@ -687,3 +687,6 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
         inverse if return_inverse else _empty_indices(),
         counts if return_counts else _empty_indices(),
     )
+
+# padding_idx rows get no gradient and scale_grad_by_freq divides by each index's count.
+use_torch_gradient(aten.embedding)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import torch
 from jax import lax
 
-from bridge.runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
 
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -761,3 +761,6 @@ def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets
     # The vjp of the forward entry: ties of max/min share the gradient equally, as in torch.
     _, pullback = jax.vjp(lambda values: _segment_reduce(values, reduce, lengths, offsets, axis, initial), data)
     return pullback(grad.astype(data.dtype))[0]
+
+# The norm of a zero vector has gradient 0 in torch (NaN by JAX's quotient rule).
+use_torch_gradient(aten.linalg_vector_norm, aten.norm)

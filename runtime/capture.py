@@ -220,7 +220,48 @@ class Program:
     backward_ahead: bool = False  # compile the backward before the first split forward runs
 
 
-def _trace_body(function, program):
+def _traced(value):
+    """Whether a value (or a list, tuple or dict of values) holds a tensor made in a trace."""
+    for leaf in pytree.tree_leaves(value):
+        if isinstance(leaf, BridgeTensor) and isinstance(leaf._value, jax.core.Tracer):
+            return True
+    return False
+
+
+class _AttributeWatch:
+    """The attributes (and buffers) of the region's modules before a trace. A forward that
+    stores a tensor it computed (`self.src_mask = mask`) would leave a tracer there: the
+    attribute is put back as it was, and a trace that otherwise succeeded breaks, since the
+    program's replays would not store anything."""
+
+    def __init__(self, objects):
+        self.saved = [(obj, dict(vars(obj)), dict(getattr(obj, "_buffers", None) or {})) for obj in objects]
+
+    def restore(self):
+        """Put back every attribute that now holds a traced tensor; their names."""
+        changed = []
+        for obj, attributes, buffers in self.saved:
+            current = vars(obj)
+            for name, value in list(current.items()):
+                if (name not in attributes or attributes[name] is not value) and _traced(value):
+                    changed.append(f"{type(obj).__name__}.{name}")
+                    if name in attributes:
+                        current[name] = attributes[name]
+                    else:
+                        del current[name]
+            held = getattr(obj, "_buffers", None)
+            if held is not None:
+                for name, value in list(held.items()):
+                    if (name not in buffers or buffers[name] is not value) and _traced(value):
+                        changed.append(f"{type(obj).__name__}.{name}")
+                        if name in buffers:
+                            held[name] = buffers[name]
+                        else:
+                            del held[name]
+        return changed
+
+
+def _trace_body(function, program, watched=None):
     """The pure function of a region: (state values, input values, key) -> results."""
 
     def body(root_values, input_values, key):
@@ -247,6 +288,7 @@ def _trace_body(function, program):
             settings.tracing += 1
             outer_for_grad = settings.tracing_for_grad
             settings.tracing_for_grad = program.grad
+            watch = _AttributeWatch(watched()) if watched is not None else None
             try:
                 # The script's grad mode, as in eager torch, so that its `torch.no_grad()`
                 # blocks are seen (runtime.dispatch._cut_from_gradient), with torch's autograd
@@ -260,6 +302,12 @@ def _trace_body(function, program):
                 settings.tracing -= 1
                 settings.tracing_for_grad = outer_for_grad
                 _trace = previous_trace
+                leaked = watch.restore() if watch is not None else []
+            if leaked:
+                raise GraphBreak(
+                    f"the forward stores a tensor it computes in {', '.join(leaked)}: a compiled replay would "
+                    "not store it, so the module runs eagerly"
+                )
             if trace.free:
                 raise _FreeTensors([entry[0] for entry in trace.free.values()])
             out_leaves, out_spec = pytree.tree_flatten(result)
@@ -762,10 +810,11 @@ def _reason(error):
 class Region:
     """A capturable callable with its cache of programs (per structure of its inputs)."""
 
-    def __init__(self, function, name, state_roots=None, fullgraph=False):
+    def __init__(self, function, name, state_roots=None, fullgraph=False, watched=None):
         self.function = function
         self.name = name
         self.state_roots = state_roots  # callable -> list of root tensors known up front
+        self.watched = watched  # callable -> objects (modules) whose attributes a trace must not leave traced
         self.fullgraph = fullgraph
         self.programs = {}
         self.extra_roots = []  # outside tensors found by earlier traces
@@ -874,7 +923,7 @@ class Region:
             ]
             program.diff_inputs = [i for i, tensor in enumerate(inputs) if tensor.requires_grad and _is_float(tensor.dtype)]
             program.grad = bool(program.diff_roots or program.diff_inputs)
-        program.body = _trace_body(self.function, program)
+        program.body = _trace_body(self.function, program, self.watched)
         return program
 
     @staticmethod

@@ -24,6 +24,9 @@ class Settings:
         # on): then what the region computes with grad mode off (a `torch.no_grad()` block in
         # it) is cut from JAX's gradient, as torch's autograd does not record it.
         self.tracing_for_grad = False
+        # Inside an op that takes torch's derivative formula (runtime/torch_gradients.py): the
+        # ops it runs through need no rule of their own.
+        self.in_torch_gradient = False
         # Split runs (a region whose outputs get gradients from outside it), what the forward
         # program keeps for the backward: "matmuls" (the results of matmuls and convolutions;
         # the backward recomputes the rest), "all" (every residual of jax.vjp) or "recompute"

@@ -19,7 +19,8 @@ from .compiled_ops import CompiledEntry
 from .callsite import user_call_site, warn_at_user_site
 from .config import settings
 from .errors import CPUFallbackWarning, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
-from .registry import MAPPINGS, Mapping
+from .registry import MAPPINGS, TORCH_GRADIENT, Mapping
+from . import torch_gradients
 from .tensor import BridgeTensor, numpy_to_torch, read_value, root_of, set_wrapper_layout, torch_to_numpy, write_value
 from . import tensor as tensor_module
 from .views import ViewStep
@@ -67,9 +68,16 @@ def dispatch(func, args, kwargs):
     stats.op_counts[func] += 1
     start = perf_counter()
     try:
-        out = plan(args, kwargs)
-        if settings.tracing_for_grad and settings.tracing and not torch._C.is_grad_enabled():
-            _cut_from_gradient(out, args, kwargs)
+        if settings.tracing_for_grad and settings.tracing:
+            if not torch._C.is_grad_enabled():
+                out = plan(args, kwargs)
+                _cut_from_gradient(out, args, kwargs)
+            elif func in TORCH_GRADIENT and not settings.in_torch_gradient:
+                out = torch_gradients.call(func, plan, args, kwargs)
+            else:
+                out = plan(args, kwargs)
+        else:
+            out = plan(args, kwargs)
         return out
     finally:
         # Host time, including nested ops of a decomposition (JAX runs asynchronously).

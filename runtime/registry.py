@@ -207,6 +207,20 @@ def register_mapping(*ops, promote=None, operands=None, rng=False, mutates=(), f
     return decorate
 
 
+TORCH_GRADIENT = set()  # OpOverloads whose captured derivative is torch's formula
+
+
+def use_torch_gradient(*ops):
+    """Declare ops whose JAX derivative differs from torch's (at 0, at bounds, at special
+    arguments): inside differentiated captured regions they take torch's own formula
+    (runtime/torch_gradients.py). Packets mean their functional overloads."""
+    for packet_or_op in ops:
+        is_packet = isinstance(packet_or_op, (OpOverloadPacket, TolerantPacket))
+        for op in _overloads(packet_or_op):
+            if not (is_packet and _is_derived_variant(op)):
+                TORCH_GRADIENT.add(op)
+
+
 def differentiate_as_torch(op, save, backward):
     """Inside captured regions, have JAX differentiate `op`'s mapping as torch's autograd does.
 

@@ -156,12 +156,18 @@ class _ModuleRegion:
         region = self.by_mode.get(tree.key)
         if region is None:
             name = f"{type(module).__name__} ({'train' if module.training else 'eval'})"
-            region = capture.Region(self.call, name, state_roots=self._state, fullgraph=self.fullgraph)
+            region = capture.Region(
+                self.call, name, state_roots=self._state, fullgraph=self.fullgraph, watched=self._modules
+            )
             self.by_mode[tree.key] = region
         return region
 
     def _state(self):
         return self.tree.state
+
+    def _modules(self):
+        module = self.module()
+        return ([module] if module is not None else []) + list(self.tree.descendants)
 
 
 def module_call(wrapped, instance, args, kwargs):

@@ -33,6 +33,24 @@ def _parse_to(args, kwargs):
     return device, dtype
 
 
+def _ordinal_named(device):
+    """A bare integer device means cuda:N in torch; the other spellings pass unchanged."""
+    if type(device) is int:
+        return f"{settings.device_type}:{device}"
+    return device
+
+
+@wrap(torch._C._nn, "_parse_to")
+def parse_to(wrapped, instance, args, kwargs):
+    """`Module.to(0)` and `Tensor.to(0)`: torch resolves an integer through its accelerator,
+    which a CPU-only torch build does not have ('Cannot access accelerator device')."""
+    if args and type(args[0]) is int:
+        args = (_ordinal_named(args[0]),) + tuple(args[1:])
+    if "device" in kwargs:
+        kwargs = dict(kwargs, device=_ordinal_named(kwargs["device"]))
+    return wrapped(*args, **kwargs)
+
+
 @wrap(torch.Tensor, "to")
 def tensor_to(wrapped, instance, args, kwargs):
     device, dtype = _parse_to(args, kwargs)
@@ -197,6 +215,43 @@ def _factory_patches():
     return [Patch(torch, name, wrapper=_factory) for name in _FACTORIES if hasattr(torch, name)] + [
         Patch(torch, name, wrapper=_sparse_factory) for name in _SPARSE_FACTORIES if hasattr(torch, name)
     ]
+
+
+# torch.device(0): a CPU-only torch build has no accelerator to resolve the integer with. Where
+# it refuses, `torch.device` is a constructor that names the bridge's device for an integer and
+# builds torch's own device object for every other argument; isinstance checks still hold.
+_TorchDevice = torch.device
+
+
+def _integer_devices_work():
+    try:
+        _TorchDevice(0)
+    except RuntimeError:
+        return False
+    return True
+
+
+class _DeviceType(type):
+    def __instancecheck__(cls, instance):
+        return isinstance(instance, _TorchDevice)
+
+    def __subclasscheck__(cls, subclass):
+        return issubclass(subclass, _TorchDevice)
+
+
+class BridgeDevice(metaclass=_DeviceType):
+    """torch.device, with `torch.device(0)` meaning the bridge's cuda:0 as on a CUDA machine."""
+
+    def __new__(cls, *args, **kwargs):
+        if args and type(args[0]) is int and len(args) == 1 and not kwargs:
+            return _TorchDevice(settings.device_type, args[0])
+        return _TorchDevice(*args, **kwargs)
+
+
+def _device_patch():
+    from . import Patch
+
+    return [] if _integer_devices_work() else [Patch(torch, "device", replacement=BridgeDevice)]
 
 
 # torch.set_default_device and `with torch.device(...)`: torch builds both on
@@ -526,4 +581,4 @@ def accelerator_empty_cache():
     return None
 
 
-PATCHES = collect(dict(globals())) + _factory_patches() + [_initialized_patch()]
+PATCHES = collect(dict(globals())) + _factory_patches() + [_initialized_patch()] + _device_patch()
