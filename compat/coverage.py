@@ -15,7 +15,7 @@ import time
 import torch
 
 from . import expected_failures, harness, surface
-from .harness import BACKWARD, FORWARD
+from .harness import BACKWARD, BACKWARD_CAPTURED, FORWARD
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reports")
 FORMATS = ("md", "json", "html")
@@ -226,6 +226,10 @@ def opinfo_totals(records):
     for dtype in ("float32", "float64"):
         backward = [r for r in records if r["phase"] == BACKWARD and r["dtype"] == dtype and _counted(r)]
         totals[f"{dtype}_gradients"] = _rate(sum(_passes(r) for r in backward), len(backward))
+        # Captured mode (the default): the op inside a compiled region, the region's gradients.
+        captured = [r for r in records if r["phase"] == BACKWARD_CAPTURED and r["dtype"] == dtype and _counted(r)]
+        totals[f"{dtype}_gradients_captured"] = _rate(sum(_passes(r) for r in captured), len(captured))
+        totals[f"{dtype}_gradients_captured_graph_breaks"] = sum(1 for r in captured if r.get("graph_breaks"))
     by_dtype = {}
     for dtype in SHORT_DTYPES:
         chosen = [r for r in forward_all if r["dtype"] == dtype]
@@ -288,6 +292,7 @@ def _entry_rows(records):
                 "entry": record["entry"],
                 FORWARD: {},
                 BACKWARD: {},
+                BACKWARD_CAPTURED: {},
                 "details": {},
                 "cpu_fallback": [],
                 "fallback_records": [],
@@ -490,7 +495,7 @@ def build(results, command, quick, only=None, started=None):
         failing = [
             r["entry"]
             for r in touching
-            if any(s in NOT_PASSING for phase in (FORWARD, BACKWARD) for s in r[phase].values())
+            if any(s in NOT_PASSING for phase in (FORWARD, BACKWARD, BACKWARD_CAPTURED) for s in r.get(phase, {}).values())
         ]
         row["opinfo_entries_passing"] = len(touching) - len(failing)
         row["opinfo_entries_failing"] = failing
@@ -594,6 +599,16 @@ def headline(report):
         lines.append(("OpInfo all dtypes forward: (entry, dtype) pairs passing", _fraction(op["all_dtypes_forward"]), op["all_dtypes_forward"]["percent"]))
         lines.append(("OpInfo gradients float32: entries passing", _fraction(op["float32_gradients"]), op["float32_gradients"]["percent"]))
         lines.append(("OpInfo gradients float64: entries passing", _fraction(op["float64_gradients"]), op["float64_gradients"]["percent"]))
+        for dtype in ("float32", "float64"):
+            rate = op.get(f"{dtype}_gradients_captured")
+            if rate and rate["total"]:
+                broke = op.get(f"{dtype}_gradients_captured_graph_breaks", 0)
+                lines.append((
+                    f"OpInfo gradients {dtype}, captured mode (inside a compiled region): entries passing"
+                    + (f"; {broke} of them ran eagerly after a graph break" if broke else ""),
+                    _fraction(rate),
+                    rate["percent"],
+                ))
         lines.append(("OpInfo: passing (entry, dtype, phase) records with samples that passed by test_ops' float64 rule (≈)", str(op.get("passed_by_precision_rule", 0)), None))
     if "moduleinfo" in totals:
         module = totals["moduleinfo"]
@@ -711,7 +726,11 @@ def write_markdown(report, path):
         if not report.get(key):
             continue
         out.append(f"## {title}\n")
-        out.append("| entry | forward | backward | CPU fallback | notes |\n|---|---|---|---|---|")
+        captured = key == "opinfo"
+        if captured:
+            out.append("| entry | forward | backward (eager) | backward (captured) | CPU fallback | notes |\n|---|---|---|---|---|---|")
+        else:
+            out.append("| entry | forward | backward | CPU fallback | notes |\n|---|---|---|---|---|")
         for row in report[key]:
             notes = "; ".join(f"{where}: {detail}" for where, detail in list(row["details"].items())[:2])
             if row["random"]:
@@ -719,7 +738,8 @@ def write_markdown(report, path):
             out.append(
                 f"| {row['entry']} | {_marks(row[FORWARD], row['fallback_records'], FORWARD, row['precise_records'])} | "
                 f"{_marks(row[BACKWARD], row['fallback_records'], BACKWARD, row['precise_records'])} | "
-                f"{_md_escape(', '.join(row['cpu_fallback']))} | {_md_escape(notes[:300])} |"
+                + (f"{_marks(row.get(BACKWARD_CAPTURED, {}), row['fallback_records'], BACKWARD_CAPTURED, row['precise_records'])} | " if captured else "")
+                + f"{_md_escape(', '.join(row['cpu_fallback']))} | {_md_escape(notes[:300])} |"
             )
         out.append("")
 

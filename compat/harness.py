@@ -647,7 +647,7 @@ def sweep_main(module, argv=None):
         write({"event": "plan", "entries": names})
 
     def starting(position, count, entry):
-        write({"event": "start", "entry": module.display_name(entry), "planned": module.planned_records(entry)})
+        write({"event": "start", "entry": module.display_name(entry), "planned": module.planned_records(entry, quick=options.quick)})
 
     def finished(position, count, entry, records, seconds, ops=None):
         for record in records:

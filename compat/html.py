@@ -188,12 +188,20 @@ def render(report, headline, legend, marks, short_dtypes, status_order):
                         _escape(row["entry"]),
                         _mark_cells(row["forward"], marks, short_dtypes, _precise(row, "forward")),
                         _mark_cells(row["backward"], marks, short_dtypes, _precise(row, "backward")),
+                    ]
+                    + (
+                        [_mark_cells(row.get("backward_captured", {}), marks, short_dtypes, _precise(row, "backward_captured"))]
+                        if key == "opinfo"
+                        else []
+                    )
+                    + [
                         "<br>".join(f"<code>{_escape(op)}</code>" for op in row["cpu_fallback"]),
                         f"<details><summary>{len(row['details'])} notes</summary>{notes}</details>" if row["details"] else notes,
                     ],
                 )
             )
-        out.append(_table(key, ["entry", "forward", "backward", "CPU fallback", "notes"], rows))
+        columns = ["entry", "forward", "backward (eager)", "backward (captured)"] if key == "opinfo" else ["entry", "forward", "backward"]
+        out.append(_table(key, columns + ["CPU fallback", "notes"], rows))
 
     out.append("<h2>Public surface</h2>")
     rows = []

@@ -326,7 +326,7 @@ def entry_name(info, training):
     return f"{info.name}.{'train' if training else 'eval'}"
 
 
-def planned_records(info, dtypes=DTYPES):
+def planned_records(info, dtypes=DTYPES, quick=False):
     """[entry, dtype, phase] of the records run_entry makes for this module."""
     return [
         [entry_name(info, training), dtype_name(dtype), phase]

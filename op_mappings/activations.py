@@ -297,3 +297,6 @@ def rrelu_with_noise(self, noise, lower=0.125, upper=1.0 / 3.0, training=False, 
 # Subgradients at 0 and at the bounds: torch's (relu and threshold give 0 at the threshold,
 # hardtanh passes the gradient at both bounds), not JAX's.
 use_torch_gradient(aten.relu, aten.threshold, aten.hardtanh)
+# log(sigmoid(x)) for large |x|: JAX's derivative of the stable form loses what torch's formula
+# (from the saved buffer) keeps.
+use_torch_gradient(aten.log_sigmoid_forward)

@@ -12,7 +12,7 @@ import torch
 from jax import lax
 
 from bridge.runtime import config, dtypes
-from bridge.runtime.registry import TolerantNamespace, aten, jnp_dtype, register_mapping
+from bridge.runtime.registry import TolerantNamespace, aten, jnp_dtype, register_mapping, use_torch_gradient
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -578,3 +578,7 @@ def linear_cross_entropy_batch_chunked_no_reduction(
         input, linear_weight, target, linear_bias, weight, ignore_index, 0.0, _chunked_accumulator(input, acc_dtype)
     )
     return nll.astype(input.dtype)
+
+# Rows masked entirely (-inf everywhere) have softmax 0 and gradient 0 in torch (NaN by JAX's
+# rule); CTC's gradient is torch's formula over its own alpha/beta tables.
+use_torch_gradient(aten._safe_softmax, aten._ctc_loss)

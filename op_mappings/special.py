@@ -15,7 +15,7 @@ import torch
 from jax import lax
 
 from bridge.runtime.dtypes import INT_TO_FLOAT
-from bridge.runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
 
 
 def _horner(x, coefficients):
@@ -704,3 +704,7 @@ for _packet, _function in (
     register_mapping(_packet.default, _packet.x_scalar, _packet.n_scalar, promote=INT_TO_FLOAT, family="special")(
         lambda x, n, _function=_function: _function(*_polynomial_operands(x, n))
     )
+
+# digamma's and polygamma's derivatives near their poles, and log_ndtr's in the far tail: JAX's
+# rules differ from torch's formulas there (by up to 1.6 in float32, or NaN where torch is finite).
+use_torch_gradient(aten.digamma, aten.polygamma, aten.special_log_ndtr)

@@ -671,6 +671,16 @@ def _graph_kept():
     return True if _keep_graph is None else _keep_graph()
 
 
+def _torch_convention(values):
+    """Complex gradients between torch's convention and JAX's, which are each other's complex
+    conjugates (torch's autograd takes the conjugate Wirtinger derivative; JAX's vjp the plain
+    one): conjugated on the way into a JAX pullback and on the way out. Real values pass as
+    they are."""
+    return [
+        jax.numpy.conj(value) if value is not None and jax.numpy.iscomplexobj(value) else value for value in values
+    ]
+
+
 def _region_backward(ctx, grads):
     """_RegionFunction's backward: the region's gradients for torch's incoming ones."""
     program = ctx.program
@@ -687,13 +697,14 @@ def _region_backward(ctx, grads):
         else:
             shape, dtype = ctx.float_avals[program.speculate]
             d_roots, d_inputs = _scale(ctx.gradients, read_value(_gradient(grad, shape, dtype, index)))
-        return (None, None, *_gradients_out(program, given, list(d_roots) + list(d_inputs), index))
+        values = _torch_convention(list(d_roots) + list(d_inputs))
+        return (None, None, *_gradients_out(program, given, values, index))
     grads = [_gradient(grad, shape, dtype, index) for grad, (shape, dtype) in zip(grads, ctx.float_avals)]
     if torch.is_grad_enabled():
         # create_graph=True: the gradients need a graph of their own (double backward).
         results = _RegionGradFunction.apply(program, ctx.primals, len(grads), *grads, *ctx.diff_tensors)
         return (None, None, *results)
-    cotangents = [read_value(grad) for grad in grads]
+    cotangents = _torch_convention([read_value(grad) for grad in grads])
     if ctx.gradients is not None:
         program.speculate = None  # this region's outputs are used otherwise: split runs again
         d_roots, d_inputs = program.recompute(ctx.primals, cotangents)
@@ -704,7 +715,8 @@ def _region_backward(ctx, grads):
             d_roots, d_inputs = program.backward(ctx.pullback, cotangents)
         if len(given) == 1 and ctx.float_avals[given[0]][0] == () and program.speculate is None:
             program.speculate = given[0]
-    return (None, None, *_gradients_out(program, given, list(d_roots) + list(d_inputs), index))
+    values = _torch_convention(list(d_roots) + list(d_inputs))
+    return (None, None, *_gradients_out(program, given, values, index))
 
 
 def mark_ones(tensor):

@@ -97,14 +97,15 @@ def call(func, plan, args, kwargs):
             for output, cotangent in zip(outputs, cotangents):
                 if output.requires_grad and jnp.issubdtype(cotangent.dtype, jnp.inexact):
                     chosen.append(output)
-                    given.append(BridgeTensor(cotangent.astype(read_value(output).dtype), output._index))
+                    # Complex cotangents: torch's convention is the conjugate of JAX's.
+                    given.append(BridgeTensor(jnp.conj(cotangent).astype(read_value(output).dtype), output._index))
             wanted = [tensor for tensor, differentiable in zip(made, inexact) if differentiable]
             grads = torch.autograd.grad(chosen, wanted, given, allow_unused=True) if chosen and wanted else [None] * len(wanted)
         found = iter(grads)
         result = []
         for value, differentiable in zip(saved, inexact):
             grad = next(found) if differentiable else None
-            result.append(_zero_cotangent(value) if grad is None else read_value(grad).astype(value.dtype))
+            result.append(_zero_cotangent(value) if grad is None else jnp.conj(read_value(grad)).astype(value.dtype))
         return tuple(result)
 
     function = jax.custom_vjp(primal)

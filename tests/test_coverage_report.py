@@ -86,7 +86,7 @@ def _rate(rows, phase, dtypes, allow_fallback=True):
     passed = total = 0
     for row in rows:
         for dtype in dtypes:
-            status = row[phase].get(dtype)
+            status = row.get(phase, {}).get(dtype)
             if status is None or status in (harness.OPINFO_SKIP, harness.NO_SAMPLES):
                 continue
             total += 1
@@ -112,12 +112,16 @@ def assert_consistent(report):
             "all_dtypes_forward": _rate(rows, "forward", list(coverage.SHORT_DTYPES)),
             "float32_gradients": _rate(rows, "backward", ["float32"]),
             "float64_gradients": _rate(rows, "backward", ["float64"]),
+            "float32_gradients_captured": _rate(rows, "backward_captured", ["float32"]),
+            "float64_gradients_captured": _rate(rows, "backward_captured", ["float64"]),
         }
         for key, (passed, total) in expected.items():
             assert (op[key]["passed"], op[key]["total"]) == (passed, total), key
             if total:
                 assert op[key]["percent"] == round(100.0 * passed / total, 2)
-        statuses = collections.Counter(s for row in rows for phase in ("forward", "backward") for s in row[phase].values())
+        statuses = collections.Counter(
+            s for row in rows for phase in ("forward", "backward", "backward_captured") for s in row.get(phase, {}).values()
+        )
         assert op["statuses"] == dict(statuses)
         if "passed_by_precision_rule" in op:
             assert op["passed_by_precision_rule"] == sum(len(row["precise_records"]) for row in rows)
