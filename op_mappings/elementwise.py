@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bridge.runtime import registry
+from bridge.runtime import registry, versions
 from bridge.runtime.dtypes import ALWAYS_BOOL, BOOL_TO_LONG, COMPLEX_TO_FLOAT, DEFAULT, INT_TO_FLOAT, NO_OPMATH
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
 
@@ -30,8 +30,17 @@ def add(self, other, alpha=1):
     return jnp.add(self, other)
 
 
+def _refuse_bool_subtraction(computed_in):
+    if computed_in == jnp.bool_:
+        raise versions.BOOL_SUBTRACTION_ERROR(
+            "Subtraction, the `-` operator, with two bool tensors is not supported. "
+            "Use the `^` or `logical_xor()` operator instead."
+        )
+
+
 @register_mapping(aten.sub.Tensor, aten.sub.Scalar, promote=DEFAULT, operands=("self", "other"))
 def sub(self, other, alpha=1):
+    _refuse_bool_subtraction(self.dtype)
     if alpha != 1:
         other = other * alpha
     return jnp.subtract(self, other)
@@ -39,6 +48,7 @@ def sub(self, other, alpha=1):
 
 @register_mapping(aten.rsub.Tensor, aten.rsub.Scalar, promote=DEFAULT, operands=("self", "other"))
 def rsub(self, other, alpha=1):
+    _refuse_bool_subtraction(self.dtype)
     if alpha != 1:
         self = self * alpha
     return jnp.subtract(other, self)

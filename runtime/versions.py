@@ -36,6 +36,11 @@ OPS_REMOVED = {
 }
 
 
+# Subtracting two bool tensors: torch 2.14 raises NotImplementedError from the kernel, where
+# earlier releases raised RuntimeError from the argument check (the meta kernel no longer checks).
+BOOL_SUBTRACTION_ERROR = NotImplementedError if TORCH >= (2, 14) else RuntimeError
+
+
 def expected_missing(name):
     """Whether the installed torch may lack the operator `name` ('aten.op' or 'aten.op.overload')."""
     packet = ".".join(name.split(".")[:2])

@@ -337,24 +337,33 @@ def test_module_changes_between_replays_are_seen(captured, before, edit):
     steps must reach the next call, as in eager torch."""
     torch.manual_seed(0)
     reference, model = _pair(MLP())
+    truth = copy.deepcopy(reference).double()  # judges rounding differences (torch's BLAS builds differ)
     if before is not None:
-        before(reference), before(model)
+        before(reference), before(model), before(truth)
     data = torch.randn(6, 4, 6)
     for step, x in enumerate(data):
         if step == 3:
-            edit(reference), edit(model)
+            edit(reference), edit(model), edit(truth)
+            if edit is _edit_new_parameter or edit is _edit_new_submodule:
+                truth.fc2 = copy.deepcopy(reference.fc2).double()
         dtype = reference.fc1.weight.dtype
-        for net in (reference, model):
+        for net in (reference, model, truth):
             net.zero_grad(set_to_none=True)
         expected = reference(x.to(dtype))
         expected.square().mean().backward()
         actual = model(x.to(dtype).cuda())
         actual.square().mean().backward()
+        truth(x.double()).square().mean().backward()
         torch.testing.assert_close(actual.detach().cpu(), expected.detach(), rtol=1e-5, atol=1e-6)
-        for (name, p_ref), p in zip(reference.named_parameters(), model.parameters()):
+        for (name, p_ref), p, p_truth in zip(reference.named_parameters(), model.parameters(), truth.parameters()):
             assert (p.grad is None) == (p_ref.grad is None), name
             if p_ref.grad is not None:
-                torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-6)
+                try:
+                    torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-6)
+                except AssertionError:
+                    # Outside the tolerance: passes only where the bridge is at least as close to
+                    # float64 as torch's float32 (test_ops' rule for references).
+                    assert judge_against_float64(p.grad.cpu(), p_ref.grad, p_truth.grad)[0] == "precise", name
 
 
 # SGD with momentum and AdamW: each keeps state per parameter (one flat array, two).
