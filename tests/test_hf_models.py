@@ -30,6 +30,7 @@ transformers = pytest.importorskip(
     "transformers", reason='the hf test group needs HuggingFace transformers: pip install -e ".[hf]"'
 )
 
+from bridge.compat.harness import judge_against_float64  # noqa: E402
 from bridge.runtime import stats  # noqa: E402
 
 pytestmark = pytest.mark.hf
@@ -210,9 +211,19 @@ def _largest(tensors):
     return max(tensor.abs().max().item() for tensor in tensors)
 
 
-def _compare(case, reference, result):
+def _first_gradients_in_float64(model, inputs):
+    """The first step's gradients of the same model and inputs computed in float64 on the CPU: what
+    judges a gradient outside the tolerance (test_ops' rule for references)."""
+    wide = copy.deepcopy(model).double()
+    inputs = {name: value.double() if value.is_floating_point() else value for name, value in inputs.items()}
+    wide(**inputs).loss.backward()
+    return {name: p.grad.detach() for name, p in wide.named_parameters() if p.grad is not None}
+
+
+def _compare(case, reference, result, truth=None):
     """Assert that the bridge's run matches eager torch's; returns the worst differences: logits and
-    gradients relative to the largest, losses relative, parameters absolute."""
+    gradients relative to the largest, losses relative, parameters absolute. `truth`: the first
+    step's gradients in float64, which judge a gradient outside the tolerance (see below)."""
     expected_logits, expected_losses, expected_steps, expected_params = reference
     logits, losses, steps, params = result
     expected_grads, grads = expected_steps[0], steps[0]
@@ -228,10 +239,18 @@ def _compare(case, reference, result):
     assert sorted(grads) == sorted(expected_grads), "different parameters received gradients"
     scale = _largest(expected_grads.values())
     for name, expected in expected_grads.items():
-        torch.testing.assert_close(
-            grads[name], expected, rtol=case.grads[0], atol=case.grads[1] * scale,
-            msg=lambda message: f"gradient of {name}: {message}",
-        )  # fmt: skip
+        try:
+            torch.testing.assert_close(
+                grads[name], expected, rtol=case.grads[0], atol=case.grads[1] * scale,
+                msg=lambda message: f"gradient of {name}: {message}",
+            )  # fmt: skip
+        except AssertionError as error:
+            # A difference in rounding order passes where the bridge's largest error against
+            # float64 is within twice torch's ("rounding"): Switch's cross-attention query
+            # gradient in captured mode, 2 of 1024 elements (errors 3.2e-7 against torch's 1.9e-7).
+            verdict = None if truth is None else judge_against_float64(grads[name], expected, truth[name])
+            if verdict is None or verdict[0] not in ("precise", "rounding"):
+                raise AssertionError(f"{error}\nagainst float64: {verdict}") from None
     worst["grads"] = _largest(grads[name] - expected for name, expected in expected_grads.items()) / scale
 
     # Parameters after the steps. Adam's first update of an element is lr * g / (|g| + eps): where |g|
@@ -276,6 +295,7 @@ def test_model_trains_like_eager_torch(name, bridged):
     model.train()
     reference_model = copy.deepcopy(model)
     inputs = case.inputs(torch.Generator().manual_seed(1))
+    truth = _first_gradients_in_float64(model, inputs)
 
     reference = _train(reference_model, inputs, "cpu")
     stats.reset()
@@ -283,7 +303,7 @@ def test_model_trains_like_eager_torch(name, bridged):
     # Plans are cached across tests, so a fallback is recognised by its rung, not by its first-call record.
     fallbacks = sorted({item["op"] for item in stats.summary()["ops"] if item["rung"] == stats.CPU_FALLBACK})
 
-    worst = _compare(case, reference, result)
+    worst = _compare(case, reference, result, truth)
     # Shown with `pytest -s`.
     count, largest = worst.pop("amplified by Adam")
     shown = ", ".join(f"{key} {value:.2g}" for key, value in worst.items())
