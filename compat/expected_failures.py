@@ -9,6 +9,8 @@ import dataclasses
 
 import torch
 
+from bridge.runtime import versions
+
 FORWARD = ("forward",)
 BACKWARD = ("backward",)
 BOTH = ("forward", "backward")
@@ -107,7 +109,15 @@ OPINFO = {
     "complex": [ExpectedFailure(COMPLEX32 + " (complex of float16 parts is complex32)", (torch.float16,), FORWARD)],
     # ---- runtime: zero gradients made on the CPU by torch's autograd
     "copysign": [ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten.zeros"), F32_F64, BACKWARD, kinds=("device",))],
-    "nextafter": [ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten.zeros"), F32_F64, BACKWARD, kinds=("device",))],
+    "nextafter": [
+        ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten.zeros"), F32_F64, BACKWARD, kinds=("device",)),
+        ExpectedFailure(
+            ZERO_GRADIENT_ON_CPU.format(op="aten.zeros") + "; inside a region it breaks the region, which runs eagerly",
+            F32_F64,
+            BACKWARD_CAPTURED,
+            kinds=("device",),
+        ),
+    ],
     "max_pool2d_with_indices_backward": [
         ExpectedFailure(ZERO_GRADIENT_ON_CPU.format(op="aten.zeros"), F32_F64, BACKWARD, kinds=("device",))
     ],
@@ -219,6 +229,30 @@ OPINFO = {
         ExpectedFailure(CHUNKED_CROSS_ENTROPY.format(errors="bfloat16: bridge 4.5e-2, torch 4.3e-2; float16: both 3.3e-3"), F16, FORWARD, quick=False, kinds=("rounding",))
     ],
 }
+
+# Failures seen with torch 2.14 only (its OpInfo entries or kernels changed; with 2.13 these
+# pass or do not exist). Each was seen in the quick sweep on torch 2.14.1 and not yet looked into
+# further than its message.
+TORCH_214 = {
+    "polar": [ExpectedFailure("torch 2.14's samples include float16 inputs, which make a complex32 (ComplexHalf) result: " + COMPLEX32, (torch.float16,), FORWARD)],
+    "chalf": [ExpectedFailure("torch 2.14 differentiates chalf: its backward casts to torch.complex32, which " + COMPLEX32, F32_F64, BACKWARD)],
+    "normal": [ExpectedFailure("torch 2.14 differentiates normal: its gradient comes back as a plain CPU tensor (zeros made on the device a bridge tensor reports to C++)", F32_F64, BACKWARD + BACKWARD_CAPTURED, kinds=("device",))],
+    "normal.number_mean": [ExpectedFailure("torch 2.14 differentiates normal: its gradient comes back as a plain CPU tensor (zeros made on the device a bridge tensor reports to C++)", F32_F64, BACKWARD + BACKWARD_CAPTURED, kinds=("device",))],
+    "linalg.matrix_sqrth": [ExpectedFailure("complex64 (an entry new in torch 2.14): the bridge's result is wrong (error 0.85 against float64; torch's 1.8e-6); not yet looked into", (torch.complex64,), FORWARD)],
+    "linalg.polar": [ExpectedFailure("complex64 (an entry new in torch 2.14): the bridge's second output is wrong (error 1.0 against float64; torch's 1.4e-6); not yet looked into", (torch.complex64,), FORWARD)],
+    "torch.ops.aten._scaled_dot_product_flash_attention_for_cpu": [
+        ExpectedFailure(
+            "rounding, torch 2.14's CPU kernel: the bridge's largest error against float64 is below torch's "
+            "(1.4e-5 against 2e-5) but its summed error above (1.08e-3 against 6.4e-4)",
+            (torch.float32,),
+            BACKWARD,
+            kinds=("rounding", "mismatch"),
+        )
+    ],
+}
+if versions.TORCH >= (2, 14):
+    for _entry, _listed in TORCH_214.items():
+        OPINFO[_entry] = OPINFO.get(_entry, []) + _listed
 
 # ModuleInfo entries ("nn.Linear", or "nn.Linear.train" for one mode) -> their expected failures.
 MODULEINFO = {

@@ -14,7 +14,7 @@ import numpy as np
 from jax import lax
 
 from bridge.runtime import config
-from bridge.runtime.registry import aten, register_mapping
+from bridge.runtime.registry import aten, register_mapping, use_torch_gradient
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -1177,3 +1177,7 @@ def grid_sampler_3d_backward(grad_output, input, grid, interpolation_mode, paddi
     return _grid_sampler_backward(
         grad_output, input, grid, interpolation_mode, padding_mode, align_corners, tuple(output_mask), 3
     )
+
+# Indices that repeat: torch's formula gathers the gradient at each index (JAX's transpose of the
+# scatter keeps only the last write's).
+use_torch_gradient(aten.max_unpool2d, aten.max_unpool3d)

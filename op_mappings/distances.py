@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bridge.runtime import config
-from bridge.runtime.registry import aten, register_mapping
+from bridge.runtime.registry import aten, register_mapping, use_torch_gradient
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
@@ -134,3 +134,6 @@ def pdist_backward(grad, self, p, pdist):
     out = out.at[rows].add(per_pair).at[cols].add(-per_pair)
     return out.astype(self.dtype)
 
+# Zero distances (equal rows, as at special points) have gradient 0 in torch (NaN or 4x off by
+# JAX's rule of the norm).
+use_torch_gradient(aten._cdist_forward)

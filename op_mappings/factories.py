@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 import torch
 
-from bridge.runtime import dtypes
+from bridge.runtime import dtypes, versions
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 
 
@@ -115,9 +115,13 @@ def arange_start(start, end, *, dtype=None, layout=None, device=None, pin_memory
 def arange_start_step(start, end, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
     result = jnp_dtype(dtype, _scalar_dtype_of_range(start, end, step))
     if not jnp.issubdtype(result, jnp.inexact):
-        # Integer ranges read their bounds as integers first: arange(0.5, 5, 1.5, dtype=int64) steps by 1.
+        # Integer ranges step from their bounds read as integers: arange(0.5, 5, 1.5, dtype=int64)
+        # steps by 1 from 0 (its length: runtime/versions.py).
+        if versions.ARANGE_LENGTH_FROM_FLOAT_BOUNDS:
+            length = max(0, math.ceil((end - start) / step))
         start, end, step = int(start), int(end), int(step)
-        length = max(0, -(-(end - start) // step))
+        if not versions.ARANGE_LENGTH_FROM_FLOAT_BOUNDS:
+            length = max(0, -(-(end - start) // step))
         return (start + jnp.arange(length, dtype=jnp.int64) * step).astype(result)
     length = max(0, math.ceil((end - start) / step))
     # torch computes start + i * step in double and rounds once to the result dtype.

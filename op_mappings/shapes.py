@@ -11,7 +11,7 @@ import numpy as np
 from jax import lax
 
 from bridge.runtime import dtypes
-from bridge.runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
 
 
 
@@ -490,3 +490,6 @@ def diagonal_scatter(self, src, offset=0, dim1=0, dim2=1):
 def as_strided_scatter(self, src, size, stride, storage_offset=None):
     positions = _strided_positions(size, stride, storage_offset)
     return jnp.ravel(self).at[positions].set(src.astype(self.dtype)).reshape(self.shape)
+
+# Overlapping strides: torch's formula gives the source's gradient where the scatter wrote it.
+use_torch_gradient(aten.as_strided_scatter)

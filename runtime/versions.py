@@ -41,6 +41,12 @@ OPS_REMOVED = {
 BOOL_SUBTRACTION_ERROR = NotImplementedError if TORCH >= (2, 14) else RuntimeError
 
 
+# arange with an integer dtype and float bounds: from torch 2.14 its length comes from the bounds
+# as given (arange(0.5, 5, 1.5, dtype=int64) has 3 elements), before it from the bounds truncated
+# to integers (5 elements); the values step from the truncated start by the truncated step in both.
+ARANGE_LENGTH_FROM_FLOAT_BOUNDS = TORCH >= (2, 14)
+
+
 def expected_missing(name):
     """Whether the installed torch may lack the operator `name` ('aten.op' or 'aten.op.overload')."""
     packet = ".".join(name.split(".")[:2])

@@ -11,6 +11,7 @@ import torch  # noqa: E402
 from torch.testing import make_tensor  # noqa: E402
 
 import bridge.op_mappings  # noqa: E402,F401  (registers the tables)
+from bridge.runtime import versions  # noqa: E402
 from op_testing import assert_same, run_mapping, through_bridge  # noqa: E402
 
 aten = torch.ops.aten
@@ -89,7 +90,8 @@ def test_cholesky_family():
     matrix = symmetric_positive_definite(4, (2,))
     check(aten.linalg_cholesky_ex.default, matrix)
     check(aten.linalg_cholesky_ex.default, matrix, upper=True)
-    check(aten.cholesky.default, matrix, True)
+    if not versions.expected_missing("aten.cholesky"):
+        check(aten.cholesky.default, matrix, True)
     factor = torch.linalg.cholesky(matrix)
     check(aten.cholesky_solve.default, sample((3, 4, 2)).unsqueeze(1).expand(3, 2, 4, 2).clone(), factor)
     check(aten.cholesky_inverse.default, factor)
