@@ -61,6 +61,11 @@ def test_core_aten_list_is_torch_core_tag():
 
 def test_snapshot_is_a_whole_sweep():
     report = _load(SNAPSHOT)
+    from bridge.runtime import versions
+
+    if versions.release(report["versions"]["torch"]) != versions.TORCH:
+        # The databases' entries differ between torch releases: the snapshot covers its own.
+        pytest.skip(f"the snapshot was made with torch {report['versions']['torch']}, not the installed one")
     assert report["only"] is None
     from bridge.compat import moduleinfo, opinfo
 
