@@ -241,24 +241,23 @@ class _AttributeWatch:
         """Put back every attribute that now holds a traced tensor; their names."""
         changed = []
         for obj, attributes, buffers in self.saved:
-            current = vars(obj)
-            for name, value in list(current.items()):
-                if (name not in attributes or attributes[name] is not value) and _traced(value):
+            for current, saved in ((vars(obj), attributes), (getattr(obj, "_buffers", None), buffers)):
+                for name in _put_back(current, saved) if current is not None else ():
                     changed.append(f"{type(obj).__name__}.{name}")
-                    if name in attributes:
-                        current[name] = attributes[name]
-                    else:
-                        del current[name]
-            held = getattr(obj, "_buffers", None)
-            if held is not None:
-                for name, value in list(held.items()):
-                    if (name not in buffers or buffers[name] is not value) and _traced(value):
-                        changed.append(f"{type(obj).__name__}.{name}")
-                        if name in buffers:
-                            held[name] = buffers[name]
-                        else:
-                            del held[name]
         return changed
+
+
+def _put_back(current, saved):
+    """Restore the entries of a dict that a trace set to traced tensors; their names."""
+    names = []
+    for name, value in list(current.items()):
+        if (name not in saved or saved[name] is not value) and _traced(value):
+            names.append(name)
+            if name in saved:
+                current[name] = saved[name]
+            else:
+                del current[name]
+    return names
 
 
 def _trace_body(function, program, watched=None):
