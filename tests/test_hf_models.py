@@ -215,6 +215,10 @@ def _first_gradients_in_float64(model, inputs):
     """The first step's gradients of the same model and inputs computed in float64 on the CPU: what
     judges a gradient outside the tolerance (test_ops' rule for references)."""
     wide = copy.deepcopy(model).double()
+    if hasattr(wide, "set_experts_implementation"):
+        # torch's CPU grouped_mm (transformers' default experts kernel) takes float32, bfloat16 and
+        # float16 only; the per-expert loop computes the same sums in float64.
+        wide.set_experts_implementation("eager")
     inputs = {name: value.double() if value.is_floating_point() else value for name, value in inputs.items()}
     wide(**inputs).loss.backward()
     return {name: p.grad.detach() for name, p in wide.named_parameters() if p.grad is not None}
