@@ -5,7 +5,7 @@ import os
 
 import jax
 
-from bridge.runtime import capture, random, stats, versions
+from bridge.runtime import capture, devices, random, stats, versions
 from bridge.runtime.config import settings
 from bridge.runtime.errors import ActivationError
 
@@ -18,6 +18,7 @@ SURFACES = (
     "bridge.patches.amp",
     "bridge.patches.capture",
     "bridge.patches.composites",
+    "bridge.patches.errors",
 )
 
 _PLATFORMS = {"auto": None, "cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
@@ -62,6 +63,10 @@ def activate(device="auto", strict=False, check_signatures=True, mode=None):
     import bridge.op_mappings  # noqa: F401  (registers the tables)
     import torch
 
+    if _PLATFORMS[device] is not None:
+        # Found now, not at the script's first use of the device (after torch.cuda.is_available()
+        # had said True): a platform JAX does not have here raises DeviceError naming it.
+        devices.backend_devices_of(_PLATFORMS[device])
     settings.platform = _PLATFORMS[device]
     settings.mode = mode
     settings.strict = strict

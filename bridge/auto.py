@@ -20,5 +20,8 @@ def _flag(name):
 
 
 if not bridge.is_active():
+    _problem = os.environ.get("BRIDGE_REPORT") and report.unwritable(os.environ["BRIDGE_REPORT"])
+    if _problem:
+        raise bridge.ActivationError(f"BRIDGE_REPORT={os.environ['BRIDGE_REPORT']}: {_problem}")
     bridge.activate(device=os.environ.get("BRIDGE_DEVICE", "auto"), strict=_flag("BRIDGE_STRICT"))
     atexit.register(report.finish, os.environ.get("BRIDGE_REPORT") or None, _flag("BRIDGE_QUIET"))

@@ -93,8 +93,16 @@ def run_script(script, args, report=None, strict=False, quiet=False, device="aut
     if not os.path.exists(path):
         print(f"bridge: can't open file {script!r}: no such file", file=sys.stderr)
         return 2
+    problem = report and run_report.unwritable(report)
+    if problem:
+        print(f"bridge: --report {report}: {problem}", file=sys.stderr)
+        return 2
     # Activate (and import the tables) before sys.path is the script's.
-    bridge.activate(device=device, strict=strict, mode=mode)
+    try:
+        bridge.activate(device=device, strict=strict, mode=mode)
+    except bridge.BridgeError as error:
+        print(f"bridge: {error}", file=sys.stderr)
+        return 2
     sys.argv = [script, *args]
     sys.path[0] = os.path.dirname(path)
     code = 0
@@ -123,10 +131,16 @@ def _exit_code(exit_request):
 
 def _print_user_traceback(error, path):
     """The traceback as Python would print it, without the runner's own frames above the script."""
+    from bridge import tracebacks
+
     tb = error.__traceback__
     while tb is not None and os.path.abspath(tb.tb_frame.f_code.co_filename) != path:
         tb = tb.tb_next
-    traceback.print_exception(type(error), error, tb or error.__traceback__)
+    error.__traceback__ = tb or error.__traceback__
+    dropped = not tracebacks.debugging() and tracebacks.without_bridge_frames(error)
+    traceback.print_exception(type(error), error, error.__traceback__)
+    if dropped:
+        print(tracebacks.NOTE, file=sys.stderr)
 
 
 def main(argv=None):

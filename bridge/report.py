@@ -2,6 +2,7 @@
 
 import html
 import json
+import os
 import sys
 
 from bridge.runtime import capture, stats
@@ -29,9 +30,13 @@ def summary_text(data=None):
     captured = data["capture"]
     if captured["mode"] == "captured":
         seconds = sum(record["seconds"] for record in captured["compiles"])
+        regions = sorted({record["region"] for record in captured["compiles"]})
+        steps = captured["optimizer_steps_as_one_program"]
         lines.append(
-            f"bridge: captured mode: {len(captured['compiles'])} program(s) compiled in {seconds:.1f} s, "
-            f"{len(captured['graph_breaks'])} graph break(s)"
+            f"bridge: captured mode: {len(captured['compiles'])} region program(s) compiled in {seconds:.1f} s"
+            + (f" ({', '.join(regions)})" if regions else "")
+            + "".join(f", {count} {name} optimizer step(s) each as one program" for name, count in sorted(steps.items()))
+            + f", {len(captured['graph_breaks'])} graph break(s)"
         )
         for record in captured["compiles"]:
             if record["reason"] != "first call":
@@ -39,6 +44,19 @@ def summary_text(data=None):
         for record in captured["graph_breaks"]:
             lines.append(f"bridge: graph break in {record['region']}: {record['reason']}, at {record['site']}")
     return "\n".join(lines)
+
+
+def unwritable(path):
+    """Why the run report cannot be written to `path` (checked before the script runs, so
+    that a run is not lost to a typo in a folder's name), or None."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path} is a folder; name a file in it, such as {os.path.join(path, 'report.json')}"
+    if not os.path.isdir(folder):
+        return f"the folder {folder} does not exist; create it first (mkdir -p {folder})"
+    if not os.access(folder, os.W_OK):
+        return f"the folder {folder} is not writable"
+    return None
 
 
 def write_report(path):

@@ -690,3 +690,10 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
 
 # padding_idx rows get no gradient and scale_grad_by_freq divides by each index's count.
 use_torch_gradient(aten.embedding)
+
+
+@register_mapping(aten.one_hot.default)
+def one_hot(self, num_classes=-1):
+    # num_classes=-1 (the largest class plus one) is read on the host before the call, as torch
+    # reads it: bridge/patches/composites.py routes F.one_hot here with the number resolved.
+    return jax.nn.one_hot(self, num_classes, dtype=jnp.int64)

@@ -203,6 +203,17 @@ def _logical_reduction(function, self, dim, keepdim):
     return function(self != 0, axis=dim, keepdims=keepdim).astype(result)
 
 
+@register_mapping(aten._is_all_true.default)
+def is_all_true(self):
+    # torch.distributions' argument checks (`torch._is_all_true(constraint.check(value))`)
+    return jnp.all(self)
+
+
+@register_mapping(aten._is_any_true.default)
+def is_any_true(self):
+    return jnp.any(self)
+
+
 @register_mapping(aten.all.default, aten.all.dim, aten.all.dims)
 def all_reduction(self, dim=None, keepdim=False):
     if isinstance(dim, (list, tuple)) and not dim:

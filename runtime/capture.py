@@ -38,6 +38,7 @@ import traceback
 import jax
 import jax.extend.core as jax_core
 import torch
+import torch.autograd.forward_ad as _forward_ad
 from torch.utils import _pytree as pytree
 
 from . import random
@@ -834,7 +835,9 @@ class Region:
         self._state_cache = None
 
     def __call__(self, *args, **kwargs):
-        if self.broken is not None or not settings.capture or settings.tracing:
+        if self.broken is not None or not settings.capture or settings.tracing or _forward_ad._current_level >= 0:
+            # Forward-mode AD (a dual level is open) runs op by op: a traced program would
+            # carry the primal values only.
             return self.function(*args, **kwargs)
         try:
             leaves, spec = pytree.tree_flatten((args, kwargs))
@@ -850,8 +853,11 @@ class Region:
             try:
                 program, result = self._compile(key, leaves, spec, roots, inputs)
             except Exception as error:  # noqa: BLE001 - any failure to capture runs the region eagerly
-                return self._break(error, args, kwargs)
-            return result
+                failure = error
+            else:
+                return result
+            # Outside the handler: an error of the eager run is not chained to the trace's.
+            return self._break(failure, args, kwargs)
         return run(program, inputs)
 
     def _state(self):
@@ -958,7 +964,15 @@ class Region:
                 f"{record.reason}; run without fullgraph=True to let it run eagerly",
                 site,
             ) from error
-        return self.function(*args, **kwargs)
+        try:
+            return self.function(*args, **kwargs)
+        except BaseException:
+            if not isinstance(error, GraphBreak):
+                # The region fails eagerly too: the script's own error (a shape mismatch), which
+                # is what the user sees; the region is not at fault and is tried again next call.
+                breaks.remove(record)
+                self.broken = None
+            raise
 
 
 def reset():

@@ -10,19 +10,21 @@ from .errors import DeviceError
 
 
 @functools.lru_cache(maxsize=None)
-def _backend_devices(platform):
+def backend_devices_of(platform):
+    """JAX's devices of a platform ('cpu', 'gpu', 'tpu'); DeviceError where it has none."""
     try:
         return tuple(jax.devices(platform))
     except RuntimeError as error:
         raise DeviceError(
             f"the bridge was asked to run on the JAX platform {platform!r}, which is not available here "
-            f"({error}); pass --device auto or --device cpu"
+            f"({error}); JAX's platform here is {jax.default_backend()!r}: pass --device auto (or "
+            f"BRIDGE_DEVICE=auto), or install the JAX build for {platform!r} (see the README's install section)"
         ) from None
 
 
 def backend_devices():
     """The JAX devices that bridge device ordinals 0..N-1 stand for."""
-    return _backend_devices(settings.platform or jax.default_backend())
+    return backend_devices_of(settings.platform or jax.default_backend())
 
 
 def device_count():

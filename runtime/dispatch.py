@@ -11,6 +11,7 @@ import functools
 from time import perf_counter
 
 import jax
+import numpy as np
 import torch
 import torch._decomp
 
@@ -18,7 +19,8 @@ from . import devices, random, stats
 from .compiled_ops import CompiledEntry
 from .callsite import user_call_site, warn_at_user_site
 from .config import settings
-from .errors import CPUFallbackWarning, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
+from .dtypes import TORCH_TO_JAX
+from .errors import CPUFallbackWarning, DeviceError, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
 from .registry import MAPPINGS, TORCH_GRADIENT, Mapping
 from . import torch_gradients
 from .tensor import BridgeTensor, numpy_to_torch, read_value, root_of, set_wrapper_layout, torch_to_numpy, write_value
@@ -90,19 +92,72 @@ tensor_module._dispatch = dispatch
 # ---------------------------------------------------------------- unwrapping
 
 
-def _unwrap(value, index):
-    """Replace bridge tensors (and stray plain tensors) by jax arrays; lists stay lists."""
+def _unwrap(value, index, func=None):
+    """Replace bridge tensors (and host tensors that may join them) by jax arrays; lists stay
+    lists. `func`: the op, when a host tensor of more than 0 dimensions must not join (see below)."""
     if isinstance(value, BridgeTensor):
         return read_value(value)
     if isinstance(value, torch.Tensor):
+        if value._is_zerotensor():
+            # autograd's zero that takes no memory (forward-mode AD's tangent of a tensor that
+            # has none): it holds no data to copy
+            return jax.device_put(np.zeros(value.shape, TORCH_TO_JAX[value.dtype]), devices.jax_device(index))
+        if func is not None and value.dim() and func not in _TAKES_HOST_TENSORS and not _inside_autograd():
+            _refuse_two_devices(func, value, index)
         return jax.device_put(torch_to_numpy(value), devices.jax_device(index))
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None))):
-        return [_unwrap(item, index) for item in value]
+        return [_unwrap(item, index, func) for item in value]
     return value
+
+
+# torch refuses an op between a tensor on the GPU and one on the host ("Expected all tensors to
+# be on the same device"), except a 0-dim host tensor (a scalar), the indices of indexing, and
+# the copies that move data between devices. A bridge tensor is a CPU tensor to torch's C++
+# core, so tensors that C++ code makes "like" it are host tensors: backward formulas do
+# (`at::zeros(sizes, grad.options())`), and so do a few forward composites (one_hot's arange).
+# Those are not the script's mixing: autograd's are let through (a backward node is running,
+# or forward-mode AD's formulas are), and the forward composites that make them are routed to
+# the tables by bridge/patches/composites.py.
+_current_node = torch._C._current_autograd_node
+_forward_ad = torch.autograd.forward_ad
+
+
+def _inside_autograd():
+    return _current_node() is not None or _forward_ad._current_level >= 0
+_TAKES_HOST_TENSORS = {
+    aten.index.Tensor,
+    aten._unsafe_index.Tensor,
+    aten.index_put.default,
+    aten.index_put_.default,
+    aten._index_put_impl_.default,
+    aten._unsafe_index_put.default,
+    aten.copy_.default,
+    aten.copy.default,
+    aten._copy_from.default,
+    aten._copy_from_and_resize.default,
+    aten._to_copy.default,
+    aten.set_.source_Tensor,
+    aten.lift_fresh.default,
+    aten.lift_fresh_copy.default,
+}
+
+
+def _refuse_two_devices(func, host, index):
+    raise DeviceError(
+        f"Expected all tensors to be on the same device, but found at least two devices, "
+        f"{devices.torch_device(index)} and {host.device}! ({func} at {user_call_site()}: move the "
+        f"host tensor with .to({str(devices.torch_device(index))!r}), or the other with .cpu())"
+    )
 
 
 def _device_index(args, kwargs=None):
     """The bridge ordinal of a call: that of its first bridge tensor (positional first)."""
+    index = _bridge_index_in(args, kwargs)
+    return devices.current_index() if index is None else index
+
+
+def _bridge_index_in(args, kwargs):
+    """The ordinal of the call's first bridge tensor, or None when it has none."""
     for value in list(args) + list((kwargs or {}).values()):
         if isinstance(value, BridgeTensor):
             return value._index
@@ -110,14 +165,17 @@ def _device_index(args, kwargs=None):
             for item in value:
                 if isinstance(item, BridgeTensor):
                     return item._index
-    return devices.current_index()
+    return None
 
 
-def _unwrap_all(args, kwargs):
-    index = _device_index(args, kwargs)
+def _unwrap_all(args, kwargs, func=None):
+    index = _bridge_index_in(args, kwargs)
+    if index is None:
+        # No bridge tensor (a factory's inputs): host tensors meet only each other.
+        index, func = devices.current_index(), None
     return (
-        [_unwrap(value, index) for value in args],
-        {name: _unwrap(value, index) for name, value in kwargs.items()},
+        [_unwrap(value, index, func) for value in args],
+        {name: _unwrap(value, index, func) for name, value in kwargs.items()},
         index,
     )
 
@@ -176,7 +234,32 @@ def _meta_result(func, args, kwargs):
         text = str(error)
         if "meta" in text.lower() or "data-dependent" in text or "Unbacked" in text or "sym" in text.lower():
             return None
+        kernel_error = _host_kernel_error(func, args, kwargs)
+        if kernel_error is not None and type(kernel_error) is type(error):
+            # torch's own kernels word some checks differently from its meta kernels ("mat1 and
+            # mat2 shapes cannot be multiplied" for mm); the script would have seen theirs.
+            raise kernel_error from None
         raise
+
+
+def _host_kernel_error(func, args, kwargs):
+    """The error torch's CPU kernel raises for arguments of these shapes and dtypes (tensors
+    that take no memory: a 0-dim zero expanded), or None. Only for ops that write nothing."""
+    if func._schema.is_mutable:
+        return None
+
+    def host(value):
+        if isinstance(value, torch.Tensor):
+            return torch.zeros((), dtype=value.dtype).expand(value.shape)
+        if isinstance(value, (list, tuple)):
+            return type(value)(host(item) for item in value)
+        return value
+
+    try:
+        func(*host(args), **{name: host(value) for name, value in kwargs.items()})
+    except Exception as error:  # noqa: BLE001 - returned for the caller to raise
+        return error
+    return None
 
 
 def _leaves(value):
@@ -285,7 +368,19 @@ def _cut_from_gradient(out, args, kwargs):
             _stop_gradient_of(value)
 
 
+def _same_storage_numel_plan(args, kwargs):
+    # forward-mode AD's make_dual asks whether a tangent's storage is laid out as its primal's
+    # is; a bridge tensor's storage is its root's (BridgeTensor.untyped_storage)
+    first, second = (root_of(tensor) for tensor in args)
+    return first.numel() * first.element_size() == second.numel() * second.element_size()
+
+
 def _make_plan(func):
+    if func is aten._has_same_storage_numel.default:
+        _plans[func] = _same_storage_numel_plan
+        stats.op_rung[func] = stats.MAPPED
+        stats.op_family[func] = "shapes"
+        return _same_storage_numel_plan
     if func in _SHARING_VIEWS:
         plan = _plans[func] = _detach_plan if func == aten.detach.default else _alias_plan
         stats.op_rung[func] = stats.MAPPED
@@ -320,10 +415,67 @@ def _make_plan(func):
             plan, rung = _decomposed_plan(func, _decomposition(func)), stats.DECOMPOSED
         else:
             plan, rung = _fallback_plan(func), stats.CPU_FALLBACK
+    if func in _STORAGE_OFFSET_POSITION:
+        plan = _offsets_into_own_elements(func, plan, _STORAGE_OFFSET_POSITION[func])
+    if func is aten._to_copy.default:
+        plan = _copies_to_meta(plan)
     _plans[func] = plan
     stats.op_rung[func] = rung
     stats.op_family[func] = mapping.family if mapping is not None else None
     return plan
+
+
+# as_strided and its kin take `storage_offset` counted from the start of the input's storage;
+# their entries index the input's own elements. A view's `storage_offset()` says where it starts
+# in its root's storage, so that much is taken off first (torch's decompositions pass
+# `a.storage_offset() + k`, and `v.as_strided(size, stride, v.storage_offset())` is `v`).
+_STORAGE_OFFSET_POSITION = {
+    aten.as_strided.default: 3,
+    aten.as_strided_copy.default: 3,
+    aten.as_strided_.default: 3,
+    aten.as_strided_scatter.default: 4,
+    torch.ops.prims.as_strided.default: 3,
+}
+
+
+def _offsets_into_own_elements(func, plan, position):
+    name = func._schema.arguments[position].name
+
+    def run(args, kwargs):
+        tensor = args[0] if args else kwargs.get("self")
+        start = tensor.storage_offset() if isinstance(tensor, BridgeTensor) and tensor._chain else 0
+        if start:
+            args, kwargs = list(args), dict(kwargs)
+            offset = args[position] if len(args) > position else kwargs.get(name)
+            if offset is not None:
+                if offset < start:
+                    raise UnsupportedOpError(
+                        f"{func} at {user_call_site()}: storage_offset={offset} reaches before the start of "
+                        f"the view it is applied to (its storage_offset() is {start}); the bridge reads a "
+                        "view's own elements. Apply it to the view's base tensor instead."
+                    )
+                if len(args) > position:
+                    args[position] = offset - start
+                else:
+                    kwargs[name] = offset - start
+        return plan(args, kwargs)
+
+    return run
+
+
+def _copies_to_meta(plan):
+    """`_to_copy(..., device='meta')`: a meta tensor, as torch gives. C++ asks for one to learn a
+    result's shape (the kernels of autograd's zero tensors, forward-mode AD's undefined tangents,
+    compute `add(self.to(kMeta), other.to(kMeta))`)."""
+
+    def run(args, kwargs):
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "meta":
+            tensor = args[0]
+            return torch.empty(tensor.shape, dtype=kwargs.get("dtype") or tensor.dtype, device="meta")
+        return plan(args, kwargs)
+
+    return run
 
 
 _core_decompositions = []
@@ -473,7 +625,7 @@ def _mapped_plan(func, mapping):
                 expected = _meta_result(func, args, kwargs)
             else:
                 expected = None
-        values, keywords, index = _unwrap_all(args, kwargs)
+        values, keywords, index = _unwrap_all(args, kwargs, func)
         if rng:
             generator = keywords.get("generator")
             if generator is None:

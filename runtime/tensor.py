@@ -187,8 +187,89 @@ class BridgeTensor(torch.Tensor):
         memo[id(self)] = copied
         return copied
 
+    # Storage identity, as torch's serialization libraries read it (safetensors and
+    # `save_pretrained` find tied weights by storage address): a view, a detached alias and a
+    # tied parameter answer their root's storage; `data_ptr` and `storage_offset` place a view
+    # where torch would, in its root's elements.
     def untyped_storage(self):
-        return _to_cpu_tensor(self).untyped_storage()
+        return BridgeStorage(root_of(self))
+
+    def storage_offset(self):
+        return _byte_offset(self) // self.element_size()
+
+    def data_ptr(self):
+        return storage_address(root_of(self)) + _byte_offset(self)
+
+
+def _byte_offset(tensor):
+    root = tensor._root
+    if root is None or not tensor._chain:
+        return 0
+    from .views import first_position
+
+    complex_root = root.is_complex()
+    unit = root.element_size() // 2 if complex_root else root.element_size()
+    return first_position(root.shape, complex_root, tensor._chain) * unit
+
+
+# Addresses handed to roots when first asked for: never 0 (which serialization libraries read
+# as "no storage"), never given to two roots, 64-byte aligned as torch's allocators are.
+_ALIGNMENT = 64
+_next_address = [1 << 40]
+
+
+def storage_address(root):
+    address = root.__dict__.get("_storage_address")
+    if address is None:
+        address = _next_address[0]
+        size = root.numel() * root.element_size()
+        _next_address[0] += max(_ALIGNMENT, -(-size // _ALIGNMENT) * _ALIGNMENT)
+        root._storage_address = address
+    return address
+
+
+class BridgeStorage(torch.UntypedStorage):
+    """`untyped_storage()` of a bridge tensor: the identity, size and device of its root's data,
+    whose bytes are a jax.Array's. Reading them (`cpu()`) copies the root's current contents to
+    the host; writing through the storage object is not supported."""
+
+    def __new__(cls, root):
+        storage = super().__new__(cls, 0, device="meta")
+        storage._bridge_root = root
+        return storage
+
+    def __init__(self, root):
+        pass
+
+    def data_ptr(self):
+        return storage_address(self._bridge_root)
+
+    def nbytes(self):
+        root = self._bridge_root
+        return root.numel() * root.element_size()
+
+    def size(self):
+        return self.nbytes()
+
+    def __len__(self):
+        return self.nbytes()
+
+    @property
+    def device(self):
+        return self._bridge_root.device
+
+    @property
+    def is_cuda(self):
+        return self._bridge_root.is_cuda
+
+    def cpu(self):
+        return _to_cpu_tensor(self._bridge_root).untyped_storage()
+
+    def tolist(self):
+        return self.cpu().tolist()
+
+    def __repr__(self):
+        return f"BridgeStorage(nbytes={self.nbytes()}, device='{self.device}', data_ptr={self.data_ptr():#x})"
 
 
 # Arithmetic operators on bridge tensors skip torch's dispatcher when it would add nothing: no

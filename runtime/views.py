@@ -78,6 +78,24 @@ def _index_map(shape, complex_root, chain):
     return positions.astype(np.int64)
 
 
+def first_position(root_shape, complex_root, chain):
+    """Where a view's first element sits in its root, in the root's elements (in halves of them
+    for a complex root, whose positions count components); 0 for an empty view. A view that
+    reinterprets the bytes as another dtype (`view(torch.int16)`) has no positions this
+    numbering can follow: its steps from there on are taken as starting where they begin."""
+    for cut, step in enumerate(chain):
+        if step.op in _DTYPE_VIEWS:
+            chain = chain[:cut]
+            break
+    positions = _index_map(tuple(root_shape), complex_root, tuple(chain))
+    if positions is None or positions.size == 0:
+        return 0
+    return int(positions[0])
+
+
+_DTYPE_VIEWS = frozenset({torch.ops.aten.view.dtype, torch.ops.aten.view_copy.dtype})
+
+
 _COMPLEX_VIEWS = frozenset({torch.ops.aten.view_as_complex.default, torch.ops.aten.view_as_complex_copy.default})
 
 

@@ -384,8 +384,8 @@ _OPERATOR_CALLS = {
     "mul method": lambda a, b: a.mul(b),
     "sub by keyword": lambda a, b: a.sub(other=b),
     "tensor + True": lambda a, b: a + True,
-    "plain + bridge": lambda a, b: a.cpu() + b if isinstance(a, BridgeTensor) else a + b,
-    "bridge * plain": lambda a, b: a * b.cpu() if isinstance(b, BridgeTensor) else a * b,
+    "0-dim host + bridge": lambda a, b: a.cpu()[0, 0] + b if isinstance(a, BridgeTensor) else a[0, 0] + b,
+    "bridge * 0-dim host": lambda a, b: a * b.cpu()[1, 2] if isinstance(b, BridgeTensor) else a * b[1, 2],
 }
 
 

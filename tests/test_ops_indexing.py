@@ -383,7 +383,7 @@ INDEXING_FUNCTIONS = {
     "take_along_dim": lambda x, rows, mask: torch.take_along_dim(x, rows[:, None], 1),
     "take": lambda x, rows, mask: x.take(rows * 3),
     "masked_select": lambda x, rows, mask: x.masked_select(mask),
-    "scatter": lambda x, rows, mask: x.scatter(0, torch.tensor([[0, 1, 2, 3, 0]]), x[:1] * 3),
+    "scatter": lambda x, rows, mask: x.scatter(0, torch.tensor([[0, 1, 2, 3, 0]], device=x.device), x[:1] * 3),
     "scatter_add": lambda x, rows, mask: x.scatter_add(1, rows.expand(4, 4), x[:, :4]),
     "index_put_accumulate": lambda x, rows, mask: x.index_put((rows,), x[:4] * 2, accumulate=True),
     "index_add": lambda x, rows, mask: x.index_add(0, rows, x * 3),

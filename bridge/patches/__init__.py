@@ -3,8 +3,14 @@
 Each module here patches one torch surface and exposes `PATCHES`, a list of
 `Patch` objects; activation applies the modules in `SURFACES` in order and
 deactivation undoes them in reverse, restoring every attribute exactly.
+
+A patched function that TorchScript knows as a builtin (`torch.zeros` is
+`aten::zeros` to it) is registered as that builtin for as long as it is in
+place, so that `torch.jit.script` and what torch scripts itself (forward-mode
+AD's decompositions) compile calls to it as before.
 """
 
+import torch.jit._builtins
 import wrapt
 
 _MISSING = object()
@@ -19,15 +25,23 @@ class Patch:
         self.wrapper = wrapper  # wrapt-style: wrapper(wrapped, instance, args, kwargs)
         self.replacement = replacement  # or a plain value to put in place
         self.saved = _MISSING
+        self.registered = None  # the object registered as a TorchScript builtin while applied
 
     def apply(self):
         self.saved = vars(self.owner).get(self.name, _MISSING)
+        builtin = _torchscript_builtin(self.saved)
         if self.replacement is not None:
             setattr(self.owner, self.name, self.replacement)
         else:
             wrapt.wrap_function_wrapper(self.owner, self.name, self.wrapper)
+        if builtin is not None:
+            self.registered = getattr(self.owner, self.name)
+            torch.jit._builtins._register_builtin(self.registered, builtin)
 
     def undo(self):
+        if self.registered is not None:
+            torch.jit._builtins._get_builtin_table().pop(id(self.registered), None)
+            self.registered = None
         if self.saved is _MISSING:
             delattr(self.owner, self.name)
         else:
@@ -37,6 +51,13 @@ class Patch:
     def __repr__(self):
         owner = getattr(self.owner, "__name__", repr(self.owner))
         return f"Patch({owner}.{self.name})"
+
+
+def _torchscript_builtin(function):
+    """The name TorchScript compiles calls of `function` to ('aten::zeros'), or None."""
+    if function is _MISSING:
+        return None
+    return torch.jit._builtins._find_builtin(function)
 
 
 def replace(owner, name):

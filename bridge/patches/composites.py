@@ -4,13 +4,15 @@ A bridge tensor reports the `cpu` device to torch's C++ (see ARCHITECTURE.md, "F
 measured while planning"). Most composite kernels only call other ATen ops on their inputs,
 which reach the bridge's tables; a few build a result of their own from `input.options()`
 (`at::zeros(..., input.options())` for an empty matrix), and that result is a plain host
-tensor. The functions here put such results on the device of their bridge inputs, and
-`tensor_split` reads the split points of a bridge tensor as torch reads a host one.
+tensor. The functions here put such results on the device of their bridge inputs,
+`tensor_split` reads the split points of a bridge tensor as torch reads a host one, and
+`one_hot` (whose kernel compares its input with a host `arange`) runs the bridge's entry.
 """
 
 import torch
 from torch.utils import _pytree as pytree
 
+from bridge.runtime.dispatch import dispatch
 from bridge.runtime.tensor import BridgeTensor, to_bridge_autograd
 
 from . import Patch
@@ -64,9 +66,28 @@ def _read_split_points(position):
     return wrapper
 
 
+def _one_hot(wrapped, instance, args, kwargs):
+    def parse(tensor, num_classes=-1):
+        return tensor, num_classes
+
+    tensor, num_classes = parse(*args, **kwargs)
+    if type(tensor) is not BridgeTensor:
+        return wrapped(*args, **kwargs)
+    if tensor.dtype != torch.long:
+        raise RuntimeError("one_hot is only applicable to index tensor of type LongTensor.")
+    if num_classes == -1:
+        # torch reads the largest class on the host too (a sync point)
+        if not tensor.numel():
+            raise RuntimeError("Can not infer total number of classes from empty tensor.")
+        num_classes = int(tensor.max()) + 1
+    return dispatch(torch.ops.aten.one_hot.default, (tensor, num_classes), {})
+
+
 PATCHES = [
     Patch(torch, "tensor_split", wrapper=_read_split_points(1)),
     Patch(torch.Tensor, "tensor_split", wrapper=_read_split_points(0)),
+    Patch(torch.nn.functional, "one_hot", wrapper=_one_hot),
+    Patch(torch._C._nn, "one_hot", wrapper=_one_hot),
 ] + [
     Patch(torch.linalg, name, wrapper=_results_with_inputs) for name in _RESULTS_FROM_OPTIONS
 ]

@@ -5,6 +5,7 @@ Covers moving tensors (`Tensor.to/cuda`), factory functions called with
 torch.device(...)`), and the `torch.cuda` / `torch.accelerator` queries scripts make.
 """
 
+import gc
 import time
 
 import jax
@@ -74,6 +75,39 @@ def tensor_cuda(wrapped, instance, args, kwargs):
     return to_bridge_autograd(instance, index)
 
 
+@wrap(torch.nn.Module, "_apply")
+def module_apply(wrapped, instance, args, kwargs):
+    """`model.cpu()`, `model.to("cpu")` of a module holding bridge tensors. torch hands each
+    parameter its host copy through `param.data = host`, which cannot turn a bridge tensor (a
+    Python object of another type) into a host tensor; swapping the two objects, as torch does
+    for tensor subclasses, moves the parameter and keeps its identity (optimizers hold it)."""
+    if any(value._use_count() > 2 for value in instance._parameters.values() if value is not None):
+        # torch swaps only tensors that nothing else in C++ holds (an autograd graph's saved
+        # tensors); a freed graph caught in a reference cycle still holds them until collected.
+        gc.collect()
+    swap = not torch.__future__.get_swap_module_params_on_conversion() and any(
+        type(value) is BridgeTensor for value in instance._parameters.values()
+    )
+    if swap:
+        torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        return wrapped(*args, **kwargs)
+    except DeviceError:
+        raise  # a submodule's, said already
+    except RuntimeError as error:
+        if "use_count" not in str(error.__cause__):
+            raise
+        raise DeviceError(
+            f"{error} at {user_call_site()}: moving a module between the host and the bridge swaps each "
+            "parameter for a new tensor object, which torch allows only while no autograd graph holds the "
+            "parameter (an output of the module computed with gradients is still alive). Move the module "
+            "before that forward, run the forward under torch.no_grad(), or drop its outputs (del) first."
+        ) from error.__cause__
+    finally:
+        if swap:
+            torch.__future__.set_swap_module_params_on_conversion(False)
+
+
 # Lazy modules (nn.LazyLinear, ...): torch moves an UninitializedParameter/Buffer uninitialized
 # and materializes it on the first forward, on the device of its (empty) data. Torch forbids
 # reading that data, so it cannot become a bridge tensor: the bridge device is remembered on
@@ -138,6 +172,10 @@ _META = torch.device("meta")
 
 
 def _factory(wrapped, instance, args, kwargs):
+    if kwargs.get("pin_memory"):
+        # Host memory the JAX runtime copies from needs no pinning through torch (which asks
+        # the CUDA driver for it: safetensors' load_file(device="cuda") does).
+        kwargs = dict(kwargs, pin_memory=False)
     device = kwargs.get("device")
     if device is None:
         return wrapped(*args, **kwargs)
