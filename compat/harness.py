@@ -249,7 +249,10 @@ def patched(function):
         for namespace in _patched_namespaces():
             for value in list(vars(namespace).values()):
                 if isinstance(value, wrapt.FunctionWrapper):
-                    _patched[id(value.__wrapped__)] = value
+                    original = value.__wrapped__
+                    while isinstance(original, wrapt.FunctionWrapper):  # patched twice
+                        original = original.__wrapped__
+                    _patched[id(original)] = value
         _patched[None] = None
     return _patched.get(id(function), function)
 

@@ -27,6 +27,10 @@ class Settings:
         # Inside an op that takes torch's derivative formula (runtime/torch_gradients.py): the
         # ops it runs through need no rule of their own.
         self.in_torch_gradient = False
+        # Inside a torch function whose C++ composite makes host tensors "like" its bridge
+        # inputs (bridge/patches/composites.py): those meet bridge tensors without the
+        # two-device error (runtime/dispatch.py).
+        self.in_host_making_composite = 0
         # Split runs (a region whose outputs get gradients from outside it), what the forward
         # program keeps for the backward: "matmuls" (the results of matmuls and convolutions;
         # the backward recomputes the rest), "all" (every residual of jax.vjp) or "recompute"

@@ -116,14 +116,14 @@ def _unwrap(value, index, func=None):
 # core, so tensors that C++ code makes "like" it are host tensors: backward formulas do
 # (`at::zeros(sizes, grad.options())`), and so do a few forward composites (one_hot's arange).
 # Those are not the script's mixing: autograd's are let through (a backward node is running,
-# or forward-mode AD's formulas are), and the forward composites that make them are routed to
-# the tables by bridge/patches/composites.py.
+# or forward-mode AD's formulas are), and so are those of the forward composites listed in
+# bridge/patches/composites.py.
 _current_node = torch._C._current_autograd_node
 _forward_ad = torch.autograd.forward_ad
 
 
 def _inside_autograd():
-    return _current_node() is not None or _forward_ad._current_level >= 0
+    return _current_node() is not None or _forward_ad._current_level >= 0 or settings.in_host_making_composite
 _TAKES_HOST_TENSORS = {
     aten.index.Tensor,
     aten._unsafe_index.Tensor,

@@ -12,6 +12,7 @@ tensor. The functions here put such results on the device of their bridge inputs
 import torch
 from torch.utils import _pytree as pytree
 
+from bridge.runtime.config import settings
 from bridge.runtime.dispatch import dispatch
 from bridge.runtime.tensor import BridgeTensor, to_bridge_autograd
 
@@ -40,6 +41,26 @@ def _results_with_inputs(wrapped, instance, args, kwargs):
     return pytree.tree_map_only(
         torch.Tensor, lambda value: value if isinstance(value, BridgeTensor) else to_bridge_autograd(value, index), result
     )
+
+
+# Functions whose composite kernels mix host tensors they make from `input.options()` with their
+# bridge inputs (`at::tensor(target_lengths, options)` in ctc_loss, a host `arange` or mask in
+# quantile, matrix_rank and istft): inside them, host tensors may meet bridge tensors (the
+# two-device check of runtime/dispatch.py lets them). Found by the OpInfo and ModuleInfo
+# sweeps, which run every entry with all its inputs on the bridge.
+_MAKES_HOST_TENSORS = (
+    (torch, "quantile"), (torch.Tensor, "quantile"), (torch, "nanquantile"), (torch.Tensor, "nanquantile"),
+    (torch.linalg, "matrix_rank"), (torch, "istft"), (torch.Tensor, "istft"),
+    (torch.nn.functional, "ctc_loss"), (torch, "ctc_loss"),
+)
+
+
+def _host_tensors_join(wrapped, instance, args, kwargs):
+    settings.in_host_making_composite += 1
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        settings.in_host_making_composite -= 1
 
 
 def _split_points(value):
@@ -88,6 +109,8 @@ PATCHES = [
     Patch(torch.Tensor, "tensor_split", wrapper=_read_split_points(0)),
     Patch(torch.nn.functional, "one_hot", wrapper=_one_hot),
     Patch(torch._C._nn, "one_hot", wrapper=_one_hot),
+] + [
+    Patch(owner, name, wrapper=_host_tensors_join) for owner, name in _MAKES_HOST_TENSORS
 ] + [
     Patch(torch.linalg, name, wrapper=_results_with_inputs) for name in _RESULTS_FROM_OPTIONS
 ]
