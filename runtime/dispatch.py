@@ -139,6 +139,9 @@ _TAKES_HOST_TENSORS = {
     aten.set_.source_Tensor,
     aten.lift_fresh.default,
     aten.lift_fresh_copy.default,
+    # torch's LSTM composite on a CPU build (what a bridge tensor is to C++) runs oneDNN's
+    # layer with host tensors it makes for the hidden state and packed weights
+    aten.mkldnn_rnn_layer.default,
 }
 
 

@@ -232,22 +232,22 @@ def test_ldl_factor_and_solve(hermitian):
 
 # name -> (function, shapes of its inputs)
 GRADIENT_FUNCTIONS = {
-    "solve": (lambda a, b: torch.linalg.solve(a + 4 * torch.eye(4), b), [(4, 4), (4, 2)]),
-    "solve_left_false": (lambda a, b: torch.linalg.solve(a + 4 * torch.eye(4), b, left=False), [(4, 4), (2, 4)]),
-    "det_slogdet": (lambda a: torch.linalg.det(a) + torch.linalg.slogdet(a + 4 * torch.eye(4))[1], [(4, 4)]),
-    "inv": (lambda a: torch.linalg.inv(a + 4 * torch.eye(4)), [(4, 4)]),
-    "cholesky": (lambda a: torch.linalg.cholesky(a @ a.mT + torch.eye(4)), [(4, 4)]),
+    "solve": (lambda a, b: torch.linalg.solve(a + 4 * torch.eye(4, device=a.device), b), [(4, 4), (4, 2)]),
+    "solve_left_false": (lambda a, b: torch.linalg.solve(a + 4 * torch.eye(4, device=a.device), b, left=False), [(4, 4), (2, 4)]),
+    "det_slogdet": (lambda a: torch.linalg.det(a) + torch.linalg.slogdet(a + 4 * torch.eye(4, device=a.device))[1], [(4, 4)]),
+    "inv": (lambda a: torch.linalg.inv(a + 4 * torch.eye(4, device=a.device)), [(4, 4)]),
+    "cholesky": (lambda a: torch.linalg.cholesky(a @ a.mT + torch.eye(4, device=a.device)), [(4, 4)]),
     "qr": (lambda a: torch.cat(torch.linalg.qr(a)), [(4, 3)]),
     "eigvalsh_svdvals": (lambda a: torch.cat([torch.linalg.eigvalsh(a + a.mT), torch.linalg.svdvals(a)]), [(4, 4)]),
-    "lu_solve": (lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a + 4 * torch.eye(4)), b), [(4, 4), (4, 2)]),
+    "lu_solve": (lambda a, b: torch.linalg.lu_solve(*torch.linalg.lu_factor(a + 4 * torch.eye(4, device=a.device)), b), [(4, 4), (4, 2)]),
     "solve_triangular": (
-        lambda a, b: torch.linalg.solve_triangular(torch.triu(a) + 4 * torch.eye(4), b, upper=True),
+        lambda a, b: torch.linalg.solve_triangular(torch.triu(a) + 4 * torch.eye(4, device=a.device), b, upper=True),
         [(4, 4), (4, 2)],
     ),
     "pinv": (torch.linalg.pinv, [(4, 3)]),
     "matrix_exp": (lambda a: torch.linalg.matrix_exp(a / 4), [(4, 4)]),
     "cholesky_solve": (
-        lambda a, b: torch.cholesky_solve(b, torch.linalg.cholesky(a @ a.mT + torch.eye(4))),
+        lambda a, b: torch.cholesky_solve(b, torch.linalg.cholesky(a @ a.mT + torch.eye(4, device=a.device))),
         [(4, 4), (4, 2)],
     ),
 }

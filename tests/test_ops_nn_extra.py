@@ -116,15 +116,15 @@ CASES = {
     ),
     "adaptive_max_pool3d": (lambda x: F.adaptive_max_pool3d(x, (2, 3, 2)), (sample(1, 2, 4, 5, 3),)),
     "fractional_max_pool2d": (
-        lambda x: F.fractional_max_pool2d(x, 2, output_size=(4, 3), _random_samples=SAMPLES),
+        lambda x: F.fractional_max_pool2d(x, 2, output_size=(4, 3), _random_samples=SAMPLES.to(x.device)),
         (sample(2, 3, 7, 6),),
     ),
     "fractional_max_pool2d unbatched": (
-        lambda x: F.fractional_max_pool2d(x, 2, output_size=(4, 3), _random_samples=SAMPLES),
+        lambda x: F.fractional_max_pool2d(x, 2, output_size=(4, 3), _random_samples=SAMPLES.to(x.device)),
         (sample(3, 7, 6),),
     ),
     "fractional_max_pool3d": (
-        lambda x: F.fractional_max_pool3d(x, 2, output_size=(3, 2, 3), _random_samples=SAMPLES[:, :, :1].expand(2, 3, 3)),
+        lambda x: F.fractional_max_pool3d(x, 2, output_size=(3, 2, 3), _random_samples=SAMPLES[:, :, :1].expand(2, 3, 3).to(x.device)),
         (sample(2, 3, 5, 4, 6),),
     ),
     "max_unpool2d": (

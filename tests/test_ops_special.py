@@ -152,12 +152,12 @@ def test_index_reduce(reduce, include_self, dtype):
 
 
 @pytest.mark.parametrize("reduce", ["sum", "mean", "prod", "max", "min"])
-def test_segment_reduce_and_its_gradient(reduce):
+def test_segment_reduce_and_its_gradient(bridged, reduce):
     data = torch.randn(5, 3, dtype=torch.float64)
     lengths = torch.tensor([2, 0, 3])
     check(aten.segment_reduce.default, data, reduce, lengths=lengths, initial=2.0)
     check(aten.segment_reduce.default, data, reduce, offsets=torch.tensor([0, 2, 2, 5]))
-    through_bridge(lambda values: torch.segment_reduce(values, reduce, lengths=lengths), data)
+    through_bridge(lambda values: torch.segment_reduce(values, reduce, lengths=lengths.to(values.device)), data)
 
 
 def test_equal_allclose_and_hash_return_host_values():

@@ -10,6 +10,7 @@ tensor. The functions here put such results on the device of their bridge inputs
 """
 
 import torch
+import torch.nn.utils.rnn
 from torch.utils import _pytree as pytree
 
 from bridge.runtime.config import settings
@@ -45,13 +46,15 @@ def _results_with_inputs(wrapped, instance, args, kwargs):
 
 # Functions whose composite kernels mix host tensors they make from `input.options()` with their
 # bridge inputs (`at::tensor(target_lengths, options)` in ctc_loss, a host `arange` or mask in
-# quantile, matrix_rank and istft): inside them, host tensors may meet bridge tensors (the
+# quantile, matrix_rank and istft, the padded result of pad_packed_sequence): inside them, host tensors may meet bridge tensors (the
 # two-device check of runtime/dispatch.py lets them). Found by the OpInfo and ModuleInfo
 # sweeps, which run every entry with all its inputs on the bridge.
 _MAKES_HOST_TENSORS = (
     (torch, "quantile"), (torch.Tensor, "quantile"), (torch, "nanquantile"), (torch.Tensor, "nanquantile"),
     (torch.linalg, "matrix_rank"), (torch, "istft"), (torch.Tensor, "istft"),
     (torch.nn.functional, "ctc_loss"), (torch, "ctc_loss"),
+    # _pad_packed_sequence's padded result is made from the packed data's options
+    (torch.nn.utils.rnn, "pad_packed_sequence"),
 )
 
 

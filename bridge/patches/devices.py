@@ -10,6 +10,7 @@ import time
 
 import jax
 import torch
+import torch.backends.cudnn
 import torch.utils._device
 from torch.nn.parameter import UninitializedTensorMixin, is_lazy
 from torch.utils._device import _device_constructors
@@ -106,6 +107,16 @@ def module_apply(wrapped, instance, args, kwargs):
     finally:
         if swap:
             torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+@wrap(torch.backends.cudnn, "is_acceptable")
+def cudnn_is_acceptable(wrapped, instance, args, kwargs):
+    """No cuDNN kernel takes a bridge tensor (RNN modules ask before packing their weights
+    with cuDNN's `_cudnn_rnn_flatten_weight`)."""
+    tensor = args[0] if args else kwargs.get("tensor")
+    if isinstance(tensor, BridgeTensor):
+        return False
+    return wrapped(*args, **kwargs)
 
 
 # Lazy modules (nn.LazyLinear, ...): torch moves an UninitializedParameter/Buffer uninitialized
