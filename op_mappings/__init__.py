@@ -34,6 +34,7 @@ from . import (  # noqa: F401  (imported for their registrations)
     foreach,
     prims,
     amp,
+    optimizers,
     fft,
     factorizations,
     special,
