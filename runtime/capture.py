@@ -95,7 +95,9 @@ class _Trace:
     def restore_free(self):
         for root, value, generation in self.free.values():
             root._value = value
-            root._generation = generation + 1
+            # Past every generation the trace gave it: an alias read or written during the
+            # trace remembers the generation it saw, with a traced value.
+            root._generation = max(root._generation, generation) + 1
 
 
 def _touch(tensor):

@@ -26,9 +26,10 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .registry import MAPPINGS, aten
-from .tensor import BridgeTensor, read_value, root_of
+from .tensor import BridgeTensor, read_value, root_of, write_value
 from .views import ViewStep
 
 
@@ -92,6 +93,26 @@ def flat_members(flat, params):
     members = [BridgeTensor(jax.ShapeDtypeStruct(tuple(p.shape), flat.dtype), p._index) for p in params]
     _make_members(root, members, [tuple(p.shape) for p in params])
     return members
+
+
+def device_step_counts(steps):
+    """Step counts held on the device (fused=True, capturable=True: 0-dim tensors), advanced by
+    one as torch's step does; returns the new counts as Python floats.
+
+    The counts become views into one flat root, which also remembers them on the host: read
+    from the device once (the first step, or after anything else wrote them), then kept, so a
+    step needs no device-to-host copy and sends all counts in one transfer."""
+    root = flat_state(steps)
+    known = getattr(root, "_host_counts", None)
+    if known is not None and known[0] == root._generation:
+        counts = known[1]
+    else:
+        counts = [float(count) for count in np.asarray(read_value(root))]
+    counts = [count + 1 for count in counts]
+    value = read_value(root)
+    write_value(root, jax.device_put(np.asarray(counts, dtype=value.dtype), next(iter(value.devices()))))
+    root._host_counts = (root._generation, counts)
+    return counts
 
 
 # ---------------------------------------------------------------- clip_grad_norm_ folded into the step

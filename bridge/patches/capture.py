@@ -356,26 +356,31 @@ def adam(wrapped, instance, args, kwargs):
     a = _bind(wrapped, args, kwargs)
     params = a["params"]
     dtype = _uniform(params)
+    steps = a["state_steps"]
+    # Step counts on the host (torch's default), or on the device (fused=True, capturable=True),
+    # where their values are kept on the host too (optimizers.device_step_counts).
+    on_host = all(_plain_cpu(step) for step in steps)
+    on_device = all(isinstance(step, BridgeTensor) and step.dim() == 0 for step in steps)
     usable = (
         dtype is not None
         and not a.get("differentiable")
-        and not a.get("fused")
-        and not a.get("capturable")
         and a.get("grad_scale") is None
         and a.get("found_inf") is None
         and not a.get("has_complex")
-        and not any(isinstance(a[name], torch.Tensor) for name in ("lr", "beta1", "beta2"))
-        and all(_plain_cpu(step) for step in a["state_steps"])
+        and not any(isinstance(a[name], BridgeTensor) for name in ("lr", "beta1", "beta2"))
+        and (on_host or (on_device and (a.get("fused") or a.get("capturable"))))
         and all(isinstance(t, BridgeTensor) and t.dtype == dtype for t in a["grads"] + a["exp_avgs"] + a["exp_avg_sqs"])
         and (not a["amsgrad"] or all(isinstance(t, BridgeTensor) for t in a["max_exp_avg_sqs"]))
     )
     if not usable:
         return wrapped(*args, **kwargs)
-    steps = a["state_steps"]
-    torch._foreach_add_(steps, 1.0)
     lr, beta1, beta2 = float(a["lr"]), float(a["beta1"]), float(a["beta2"])
     numpy_dtype = np.float32 if dtype == torch.float32 else np.float64
-    counts = torch.stack(steps).tolist()  # one host op for all parameters' step counts
+    if on_host:
+        torch._foreach_add_(steps, 1.0)
+        counts = torch.stack(steps).tolist()  # one host op for all parameters' step counts
+    else:
+        counts = optimizers.device_step_counts(steps)
     # As torch computes them, in Python floats: bias corrections, the step size, its sign;
     # sent to the device as one array.
     scalars = np.array(
@@ -424,11 +429,10 @@ def sgd(wrapped, instance, args, kwargs):
     first = all(buffer is None for buffer in buffers)
     usable = (
         dtype is not None
-        and not a.get("fused")
         and not a.get("has_sparse_grad")
         and a.get("grad_scale") is None
         and a.get("found_inf") is None
-        and not isinstance(a["lr"], torch.Tensor)
+        and not isinstance(a["lr"], BridgeTensor)
         and all(isinstance(t, BridgeTensor) and t.dtype == dtype for t in grads)
         and (first or all(isinstance(t, BridgeTensor) for t in buffers))
     )

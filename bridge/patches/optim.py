@@ -6,9 +6,18 @@ the groups' device keys are rewritten to the device the script sees, so that
 the host.
 """
 
+import functools
 import importlib
+import weakref
 
-from bridge.runtime.tensor import BridgeTensor
+import jax
+import jax.numpy as jnp
+import numpy
+import torch
+
+from bridge.runtime import capture
+from bridge.runtime.config import settings
+from bridge.runtime.tensor import BridgeTensor, read_value, to_bridge, write_value
 
 from . import Patch
 
@@ -31,4 +40,276 @@ PATCHES = [
         importlib.import_module,
         ("torch.utils._foreach_utils", "torch.optim.optimizer", "torch.nn.utils.clip_grad", "torch.optim.swa_utils"),
     )
+]
+
+
+# ---------------------------------------------------------------- whole steps as programs
+#
+# Captured mode runs an optimizer's `step()` as one program: torch's own Python step is traced
+# through the tables once per structure (which parameters have gradients, the hyperparameters)
+# and replayed after, as module calls are (runtime/capture.py). This serves every optimizer
+# written in torch ops, torch.optim's and others (HF's Adafactor, a user's Lion), in whichever
+# implementation the script picked; Adam, AdamW and SGD keep their own update programs
+# (bridge/patches/capture.py), which also fold a waiting clip_grad_norm_ in.
+#
+# What the trace must see as torch.compile's does:
+# - `torch.compiler.is_compiling()` is true, so torch's steps keep their scalars as tensors
+#   (`_get_value`, `_stack_if_compiling`) instead of reading them with `.item()`;
+# - `capturable` is on where a group has it, so step counts and a tensor learning rate are
+#   used on the device; a float learning rate of such a group is carried as a tensor too, so
+#   that a schedule changing it every step replays one program;
+# - the 0-dim host tensors of the state (step counts; ASGD's eta and mu) are stood in for by
+#   bridge tensors while the step runs ("mirrors"). Their host tensors, which state_dict() and
+#   checkpoints read, are brought up to date after each step (an asynchronous copy, finished
+#   at the next step or when the state is read), so the saved state is torch's.
+
+_step_tracing = [0]  # depth of optimizer-step traces in progress
+
+
+def is_compiling(wrapped, instance, args, kwargs):
+    return _step_tracing[0] > 0 or wrapped(*args, **kwargs)
+
+
+def _host_scalar(value):
+    return (
+        isinstance(value, torch.Tensor)
+        and not isinstance(value, BridgeTensor)
+        and value.device.type == "cpu"
+        and value.dim() == 0
+    )
+
+
+def _python_numbers(optimizer):
+    """The plain numbers of an optimizer's state and param_groups, by place."""
+    numbers = []
+    for owner in [*optimizer.state.values(), *optimizer.param_groups]:
+        numbers.append(tuple((key, value) for key, value in owner.items() if isinstance(value, (int, float))))
+    return numbers
+
+
+class _StepRegion:
+    """One optimizer's captured step: its region, its mirrors and the host values in flight."""
+
+    def __init__(self, optimizer, step):
+        self.optimizer = weakref.ref(optimizer)
+        self.step = step  # the class's step below this patch, unbound
+        self.mirrors = {}  # id(host tensor) -> (host tensor, its _version when mirrored, mirror)
+        self.rates = {}  # group position -> lr mirror (groups whose float lr is carried as a tensor)
+        self.in_flight = None  # (host tensors, device array being copied to the host)
+        name = f"{type(optimizer).__name__}.step"
+        self.region = capture.Region(self._body, name)
+
+    # The traced body: gradients are inputs (a new tensor every step), hyperparameters static.
+    def _body(self, grads, hyperparameters):
+        optimizer = self.optimizer()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        saved = [p.grad for p in params]
+        numbers = _python_numbers(optimizer)
+        _step_tracing[0] += 1
+        try:
+            for p, grad in zip(params, grads):
+                p.grad = grad
+            self.step(optimizer)
+        finally:
+            _step_tracing[0] -= 1
+            for p, grad in zip(params, saved):
+                p.grad = grad
+        if _python_numbers(optimizer) != numbers:
+            # (HF's Adafactor counts `state["step"] += 1` in a Python int.) A replay runs no
+            # Python, so it would not count: the step runs as torch runs it.
+            raise capture.GraphBreak(
+                "the optimizer's step changes Python numbers in its state or param_groups, which a compiled "
+                "replay would not change"
+            )
+        return None
+
+    def run(self):
+        optimizer = self.optimizer()
+        self.finish_copy()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        index = params[0]._index
+        swapped = self._swap_in(optimizer, index)
+        try:
+            # What the trace reads as constants: the groups' settings (a float lr is carried as
+            # a tensor instead), and any plain numbers of the state.
+            hyperparameters = tuple(
+                tuple(
+                    (key, value)
+                    for key, value in sorted(group.items())
+                    if key != "params" and not isinstance(value, torch.Tensor)
+                )
+                for group in optimizer.param_groups
+            ) + tuple(_python_numbers(optimizer))
+            with torch.no_grad():
+                self.region([p.grad for p in params], hyperparameters)
+        finally:
+            self._swap_out(swapped)
+        self._start_copy()
+        if self.region.broken is None:
+            capture.fused_steps[self.region.name] = capture.fused_steps.get(self.region.name, 0) + 1
+
+    def _mirror(self, host, index):
+        known = self.mirrors.get(id(host))
+        if known is not None and known[0] is host and known[1] == host._version:
+            return known[2]
+        mirror = to_bridge(host, index)
+        self.mirrors[id(host)] = (host, host._version, mirror)
+        return mirror
+
+    def _swap_in(self, optimizer, index):
+        """Put mirrors in place of the host scalars, capturable on and float lr as a tensor;
+        returns what to put back."""
+        swapped = []
+        for state in optimizer.state.values():
+            for key, value in list(state.items()):
+                if _host_scalar(value):
+                    state[key] = self._mirror(value, index)
+                    swapped.append((state, key, value))
+        for position, group in enumerate(optimizer.param_groups):
+            for key, value in list(group.items()):
+                if _host_scalar(value):
+                    group[key] = self._mirror(value, index)
+                    swapped.append((group, key, value))
+            if group.get("fused"):
+                continue
+            for flag in ("capturable", "foreach"):
+                if flag in group:
+                    swapped.append((group, flag, group[flag]))
+                    group[flag] = True
+            if isinstance(group.get("lr"), float):
+                swapped.append((group, "lr", group["lr"]))
+                group["lr"] = self._rate(position, group["lr"], group["params"][0])
+        return swapped
+
+    def _rate(self, position, lr, param):
+        dtype = param.dtype if param.dtype == torch.float64 else torch.float32
+        mirror = self.rates.get(position)
+        if mirror is None or mirror.dtype != dtype:
+            mirror = self.rates[position] = to_bridge(torch.tensor(lr, dtype=dtype), param._index)
+        else:
+            write_value(mirror, to_bridge(torch.tensor(lr, dtype=dtype), param._index)._value)
+        return mirror
+
+    @staticmethod
+    def _swap_out(swapped):
+        for owner, key, value in reversed(swapped):
+            owner[key] = value
+
+    def _start_copy(self):
+        pairs = [(host, mirror) for host, _, mirror in self.mirrors.values()]
+        if not pairs:
+            return
+        values = _stack([read_value(mirror) for _, mirror in pairs])
+        values.copy_to_host_async()
+        self.in_flight = ([host for host, _ in pairs], values)
+
+    def finish_copy(self):
+        """Write the mirrors' values of the last step into their host tensors."""
+        if self.in_flight is None:
+            return
+        hosts, values = self.in_flight
+        self.in_flight = None
+        values = numpy.asarray(values)
+        with torch.no_grad():
+            for host, value in zip(hosts, values):
+                host.fill_(float(value))
+                known = self.mirrors.get(id(host))
+                if known is not None and known[0] is host:
+                    self.mirrors[id(host)] = (host, host._version, known[2])
+
+
+_stack = jax.jit(lambda values: jnp.stack([value.astype(jnp.float64 if value.dtype == jnp.float64 else jnp.float32) for value in values]))
+_step_regions = weakref.WeakKeyDictionary()  # optimizer -> _StepRegion
+
+# Optimizers whose step is already one program (their update functions are patched).
+_OWN_PROGRAMS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _capturable_step(optimizer, args, kwargs):
+    """Whether this call of optimizer.step can run as a captured program."""
+    if not settings.capture or settings.tracing or type(optimizer) in _OWN_PROGRAMS:
+        return False
+    if args or kwargs.get("closure") is not None:
+        return False  # a closure (LBFGS) re-evaluates the model inside the step
+    if getattr(optimizer, "defaults", {}).get("differentiable"):
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params or not all(isinstance(p, BridgeTensor) for p in params):
+        return False
+    with_grad = [p for p in params if p.grad is not None]
+    # The first step makes the state; it runs as torch runs it, the later ones are programs.
+    return bool(with_grad) and all(optimizer.state.get(p) for p in with_grad)
+
+
+def _wrap_step(step):
+    """A class's step (unhooked) that runs as a captured program where it can."""
+
+    @functools.wraps(step)
+    def captured_step(self, *args, **kwargs):
+        if not _capturable_step(self, args, kwargs):
+            region = _step_regions.get(self)
+            if region is not None:
+                region.finish_copy()
+            return step(self, *args, **kwargs)
+        region = _step_regions.get(self)
+        if region is None:
+            region = _step_regions[self] = _StepRegion(self, step)
+        region.run()
+        return None
+
+    return captured_step
+
+
+def state_dict(wrapped, instance, args, kwargs):
+    """The state as torch has it: host step counts brought up to date first."""
+    region = _step_regions.get(instance)
+    if region is not None:
+        region.finish_copy()
+    return wrapped(*args, **kwargs)
+
+
+class _StepPatch(Patch):
+    """Optimizer classes' steps, wrapped when torch hooks them (Optimizer._patch_step_function,
+    on a class's first instance) and, for classes hooked before activation, when applied."""
+
+    def __init__(self):
+        super().__init__(torch.optim.Optimizer, "_patch_step_function", wrapper=self._patch_step_function)
+        self.wrapped = []  # (class, its step before)
+
+    def _wrap_class(self, cls):
+        step = vars(cls).get("step")
+        if step is None or not getattr(step, "hooked", False) or getattr(step, "__bridge_step__", False):
+            return
+        # Below torch's hook wrapper (profile_hook_step), which runs the step hooks: they run
+        # on every call, in Python, as in torch.
+        self.wrapped.append((cls, step))
+        hooked = torch.optim.Optimizer.profile_hook_step(_wrap_step(step.__wrapped__))
+        hooked.hooked = True
+        hooked.__bridge_step__ = True
+        cls.step = hooked
+
+    def _patch_step_function(self, wrapped, instance, args, kwargs):
+        result = wrapped(*args, **kwargs)
+        self._wrap_class(type(instance))
+        return result
+
+    def apply(self):
+        super().apply()
+        pending = [torch.optim.Optimizer]
+        while pending:
+            cls = pending.pop()
+            self._wrap_class(cls)
+            pending.extend(cls.__subclasses__())
+
+    def undo(self):
+        for cls, step in reversed(self.wrapped):
+            cls.step = step
+        self.wrapped = []
+        super().undo()
+
+
+PATCHES += [
+    Patch(torch.compiler, "is_compiling", wrapper=is_compiling),
+    Patch(torch.optim.Optimizer, "state_dict", wrapper=state_dict),
+    _StepPatch(),
 ]
