@@ -55,9 +55,11 @@ PATCHES = [
 # What the trace must see as torch.compile's does:
 # - `torch.compiler.is_compiling()` is true, so torch's steps keep their scalars as tensors
 #   (`_get_value`, `_stack_if_compiling`) instead of reading them with `.item()`;
-# - `capturable` is on where a group has it, so step counts and a tensor learning rate are
-#   used on the device; a float learning rate of such a group is carried as a tensor too, so
-#   that a schedule changing it every step replays one program;
+# - `capturable` and `foreach` are on where a group has them (torch.optim's), so step counts and
+#   a tensor learning rate are used on the device; a float learning rate of such a group is
+#   carried as a tensor too, so that a schedule changing it every step replays one program
+#   (other optimizers' float lr is a constant of the program, which compiles anew when it
+#   changes);
 # - the 0-dim host tensors of the state (step counts; ASGD's eta and mu) are stood in for by
 #   bridge tensors while the step runs ("mirrors"). Their host tensors, which state_dict() and
 #   checkpoints read, are brought up to date after each step (an asynchronous copy, finished
@@ -105,16 +107,19 @@ class _StepRegion:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         saved = [p.grad for p in params]
         numbers = _python_numbers(optimizer)
-        _step_tracing[0] += 1
+        tracing = bool(settings.tracing)  # else the region runs it eagerly, after a break
+        _step_tracing[0] += tracing
         try:
             for p, grad in zip(params, grads):
                 p.grad = grad
             self.step(optimizer)
         finally:
-            _step_tracing[0] -= 1
+            _step_tracing[0] -= tracing
             for p, grad in zip(params, saved):
                 p.grad = grad
-        if _python_numbers(optimizer) != numbers:
+        if tracing and _python_numbers(optimizer) != numbers:
+            for owner, entries in zip([*optimizer.state.values(), *optimizer.param_groups], numbers):
+                owner.update(entries)  # as before the trace: the eager run counts once
             # (HF's Adafactor counts `state["step"] += 1` in a Python int.) A replay runs no
             # Python, so it would not count: the step runs as torch runs it.
             raise capture.GraphBreak(
@@ -170,13 +175,14 @@ class _StepRegion:
                 if _host_scalar(value):
                     group[key] = self._mirror(value, index)
                     swapped.append((group, key, value))
-            if group.get("fused"):
-                continue
-            for flag in ("capturable", "foreach"):
+            for flag in ("capturable", "foreach") if not group.get("fused") else ():
                 if flag in group:
                     swapped.append((group, flag, group[flag]))
                     group[flag] = True
-            if isinstance(group.get("lr"), float):
+            # torch.optim's steps take a tensor lr in these modes; others' may need a number
+            # (`p.add_(update, alpha=-lr)`), and recompile when it changes.
+            torch_flags = any(flag in group for flag in ("capturable", "foreach", "fused"))
+            if torch_flags and isinstance(group.get("lr"), float):
                 swapped.append((group, "lr", group["lr"]))
                 group["lr"] = self._rate(position, group["lr"], group["params"][0])
         return swapped
