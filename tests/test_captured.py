@@ -1057,3 +1057,27 @@ def test_no_grad_blocks_inside_a_region_are_cut_from_the_gradient(captured):
             torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-6, atol=1e-7)
     assert not capture.breaks
     assert reference.only_without_grad.weight.grad is None
+
+
+def test_data_parallel_on_one_device_is_its_module(captured):
+    """nn.DataParallel over the one bridge device runs its module as one region (torch calls the
+    module directly for one device too); inputs left on the host are moved as its scatter would."""
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    net = torch.nn.DataParallel(copy.deepcopy(reference).cuda())
+    assert net.device_ids == [0]
+    opt_ref = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    target = torch.tensor([0, 1, 2, 0])
+    for _ in range(3):
+        x = torch.randn(4, 6)
+        for model, optimizer in ((reference, opt_ref), (net, opt)):
+            optimizer.zero_grad()
+            out = model(x)  # a host tensor: DataParallel moves it to its device
+            F.cross_entropy(out, target.to(out.device)).backward()
+            optimizer.step()
+    for p_ref, p in zip(reference.parameters(), net.module.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
+    assert not capture.breaks
+    assert [record.region for record in capture.compiles] == ["Sequential (train)"]
+    assert list(net.state_dict())[0] == "module.0.weight"

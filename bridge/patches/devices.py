@@ -6,6 +6,7 @@ torch.device(...)`), and the `torch.cuda` / `torch.accelerator` queries scripts 
 """
 
 import gc
+import os
 import time
 
 import jax
@@ -107,6 +108,28 @@ def module_apply(wrapped, instance, args, kwargs):
     finally:
         if swap:
             torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+@wrap(torch.nn.DataParallel, "forward")
+def data_parallel_forward(wrapped, instance, args, kwargs):
+    """nn.DataParallel over one bridge device calls its module directly, as torch does after
+    scattering to that one device: the inputs go to the module's device, and no Scatter or
+    Gather (autograd Functions over torch's C++ communication) stands between the script's
+    region and the module's. Over several devices it runs as torch does."""
+    from torch.utils import _pytree as pytree
+
+    if len(instance.device_ids) != 1 or not isinstance(next(instance.module.parameters(), None), BridgeTensor):
+        return wrapped(*args, **kwargs)
+    for tensor in (*instance.module.parameters(), *instance.module.buffers()):
+        if tensor.device != instance.src_device_obj:
+            return wrapped(*args, **kwargs)  # torch's own error names the tensor's device
+    device = instance.src_device_obj
+
+    def to_device(value):
+        return value.to(device) if isinstance(value, torch.Tensor) else value
+
+    args, kwargs = pytree.tree_map(to_device, (args, kwargs))
+    return instance.module(*args, **kwargs)
 
 
 @wrap(torch.backends.cudnn, "is_acceptable")
@@ -429,7 +452,8 @@ class DeviceProperties:
     def __init__(self, jax_device):
         stats = _memory_stats(jax_device)
         self.name = f"{jax_device.device_kind} (JAX {jax_device.platform}, via bridge)"
-        self.total_memory = stats.get("bytes_limit", 0)
+        # XLA's CPU backend keeps no memory statistics: its memory is the host's.
+        self.total_memory = stats.get("bytes_limit") or os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         self.major, self.minor = 8, 0
         self.multi_processor_count = getattr(jax_device, "core_count", 1) or 1
         self.is_integrated = False
