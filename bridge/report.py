@@ -21,6 +21,16 @@ def summary_text(data=None):
         f"bridge: {data['ops_run']} torch ops ran ({data['distinct_ops']} distinct) in {data['wall_seconds']:.1f} s: "
         + ", ".join(f"{count} {rung}" for rung, count in by_rung.items()),
     ]
+    slow = [op for op in data["ops"] if op["rung"] != stats.MAPPED and op["host_seconds"] >= 0.01]
+    if slow:
+        # What the slow rungs cost, largest first, so that what dominates shows at once.
+        lines.append(
+            "bridge: host time off the mapped rung: "
+            + ", ".join(
+                f"{op['op']} ({op['rung']}) {op['calls']} call(s) {op['host_seconds']:.2f} s"
+                for op in sorted(slow, key=lambda op: -op["host_seconds"])[:5]
+            )
+        )
     for fallback in data["cpu_fallbacks"]:
         lines.append(
             f"bridge: CPU fallback {fallback['op']} ran {fallback['calls']} time(s), first at {fallback['first_call_site']}"

@@ -401,12 +401,20 @@ def _make_plan(func):
         rung = stats.MAPPED
     else:
         functional = _functional_counterpart(func)
+        # A derived op is what its functional counterpart is: mapped, or decomposed, or run on
+        # the host CPU (the report must not call a host fallback a mapping).
+        derived = stats.DERIVED
+        if functional is not None:
+            if functional not in _plans:
+                _make_plan(functional)
+            if stats.op_rung.get(functional) != stats.MAPPED:
+                derived = stats.op_rung.get(functional, stats.DERIVED)
         if functional is not None and _changes_shape_in_place(func):
-            plan, rung = _inplace_view_plan(func, functional), stats.DERIVED
+            plan, rung = _inplace_view_plan(func, functional), derived
         elif functional is not None and _writes_self(schema):
-            plan, rung = _inplace_plan(func, functional), stats.DERIVED
+            plan, rung = _inplace_plan(func, functional), derived
         elif functional is not None and _out_arguments(schema):
-            plan, rung = _out_plan(func, functional), stats.DERIVED
+            plan, rung = _out_plan(func, functional), derived
         elif torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
             # torch's own C++ composite kernel: what runs above autograd in eager torch, so an op
             # that reaches the bridge whole (inference mode, a captured trace) decomposes into
@@ -920,6 +928,7 @@ def _fallback_plan(func):
                 f"running it on the CPU.\n  called at {site}\n  what to do: run without --strict to let "
                 f"it run on the host CPU (slow, but correct), or file an issue asking for a mapping of {func}."
             )
+        stats.fallback_calls[func] += 1
         if not warned:
             warned.append(True)
             stats.fallback_sites.setdefault(func, site)

@@ -14,6 +14,7 @@ op_seconds = collections.Counter()  # OpOverload -> host seconds spent in it
 op_rung = {}  # OpOverload -> rung name
 op_family = {}  # OpOverload -> mapping family (module of op_mappings), None if not mapped
 fallback_sites = {}  # OpOverload -> first user call site
+fallback_calls = collections.Counter()  # OpOverload -> runs on the host CPU (also as part of a derived op)
 dtype_corrections = {}  # OpOverload -> message
 started = [time.perf_counter()]
 
@@ -22,6 +23,7 @@ def reset():
     op_counts.clear()  # op_rung and op_family stay: they describe cached plans, not this run
     op_seconds.clear()
     fallback_sites.clear()
+    fallback_calls.clear()
     dtype_corrections.clear()
     started[0] = time.perf_counter()
 
@@ -29,11 +31,13 @@ def reset():
 def summary():
     """A plain-data summary (what the JSON report holds)."""
     by_rung = collections.Counter()
+    rung_seconds = collections.Counter()
     family_seconds = collections.Counter()
     ops = []
     for op, count in op_counts.most_common():
         rung = op_rung.get(op, MAPPED)
         by_rung[rung] += count
+        rung_seconds[rung] += op_seconds[op]
         family = op_family.get(op) or rung
         family_seconds[family] += op_seconds[op]
         ops.append(
@@ -43,8 +47,9 @@ def summary():
         "ops_run": sum(op_counts.values()),
         "distinct_ops": len(op_counts),
         "by_rung": {rung: by_rung.get(rung, 0) for rung in RUNGS},
+        "host_seconds_by_rung": {rung: round(rung_seconds.get(rung, 0.0), 6) for rung in RUNGS},
         "cpu_fallbacks": [
-            {"op": str(op), "calls": op_counts[op], "first_call_site": site} for op, site in fallback_sites.items()
+            {"op": str(op), "calls": fallback_calls[op], "first_call_site": site} for op, site in fallback_sites.items()
         ],
         "dtype_corrections": [{"op": str(op), "detail": detail} for op, detail in dtype_corrections.items()],
         "host_seconds_by_family": {family: round(seconds, 6) for family, seconds in family_seconds.most_common()},

@@ -90,3 +90,39 @@ def test_runner_without_strict_falls_back_and_reports(tmp_path):
     assert result.stdout.strip() == "[3.0, 3.0]"
     assert result.stderr.count("CPUFallbackWarning") == 1
     assert "CPU fallback bridgetest.mystery.default ran 1 time(s)" in result.stderr
+
+
+def test_derived_op_of_a_host_fallback_is_reported_as_one(bridged, monkeypatch):
+    """An in-place op derived from a functional op that has no mapping runs on the host CPU:
+    the report counts it there, with its calls, not as a mapping (it said 'calls: 0' and
+    '0 cpu_fallback' for torch's fused AdamW before that had a mapping)."""
+    from bridge.report import summary_text
+    from bridge.runtime import dispatch, registry, stats
+
+    aten = torch.ops.aten
+    functional, inplace = aten.lerp.Scalar, aten.lerp_.Scalar
+    saved = registry.MAPPINGS.pop(functional)
+    decomposition = dispatch._decomposition
+    monkeypatch.setattr(dispatch, "_decomposition", lambda op: None if op == functional else decomposition(op))
+    for op in (functional, inplace):
+        dispatch._plans.pop(op, None)
+    stats.reset()
+    try:
+        x = torch.zeros(3, device="cuda")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            x.lerp_(torch.ones(3, device="cuda"), 0.5)
+            x.lerp_(torch.ones(3, device="cuda"), 0.5)
+        assert x.cpu().tolist() == [0.75, 0.75, 0.75]
+        summary = stats.summary()
+        assert stats.op_rung[inplace] == stats.CPU_FALLBACK
+        assert summary["by_rung"][stats.CPU_FALLBACK] == 2
+        assert summary["cpu_fallbacks"] == [
+            {"op": str(functional), "calls": 2, "first_call_site": summary["cpu_fallbacks"][0]["first_call_site"]}
+        ]
+        assert "CPU fallback aten.lerp.Scalar ran 2 time(s)" in summary_text()
+    finally:
+        registry.MAPPINGS[functional] = saved
+        for op in (functional, inplace):
+            dispatch._plans.pop(op, None)
+            stats.op_rung.pop(op, None)
