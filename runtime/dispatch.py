@@ -82,8 +82,10 @@ def dispatch(func, args, kwargs):
             out = plan(args, kwargs)
         return out
     finally:
-        # Host time, including nested ops of a decomposition (JAX runs asynchronously).
-        stats.op_seconds[func] += perf_counter() - start
+        # Host time, including nested ops of a decomposition (JAX runs asynchronously); in a
+        # trace it is the compile's (capture's records), not the op's.
+        if not settings.tracing:
+            stats.op_seconds[func] += perf_counter() - start
 
 
 tensor_module._dispatch = dispatch

@@ -55,6 +55,9 @@ _MAKES_HOST_TENSORS = (
     (torch.nn.functional, "ctc_loss"), (torch, "ctc_loss"),
     # _pad_packed_sequence's padded result is made from the packed data's options
     (torch.nn.utils.rnn, "pad_packed_sequence"),
+    # the math form (taken with dropout, as in training) builds its causal mask from the query's
+    # options (HF GPT-2 under Trainer's defaults)
+    (torch.nn.functional, "scaled_dot_product_attention"),
 )
 
 
