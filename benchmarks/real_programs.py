@@ -19,7 +19,7 @@ Programs (each run as its authors ship it; only command-line flags they offer ar
   accuracy each batch; FakeData decoded by its DataLoader workers). Cases: torch eager, the
   bridge. Figure: the script's own averaged batch time at its last progress line within the
   time given.
-- word-lm: pytorch/examples word_language_model/main.py --cuda --model Transformer on a
+- word-lm: pytorch/examples word_language_model/main.py --accel --model Transformer on a
   synthetic corpus of WikiText-2's size (the data files are not carried). Cases: torch eager,
   the bridge. Figure: the script's ms/batch at its last progress line.
 
@@ -164,7 +164,7 @@ def word_lm(checkout, scratch, seconds):
     folder = os.path.join(scratch, "word_language_model")
     shutil.copytree(os.path.join(checkout, "word_language_model"), folder, dirs_exist_ok=True)
     _synthetic_corpus(os.path.join(folder, "data", "wikitext-2"))
-    args = ["main.py", "--cuda", "--model", "Transformer", "--epochs", "1", "--log-interval", "100", "--lr", "5"]
+    args = ["main.py", "--accel", "--model", "Transformer", "--epochs", "1", "--log-interval", "100", "--lr", "5"]
     cases = {}
     for case, command, env in (
         ("torch", [sys.executable, *args], None),

@@ -45,7 +45,7 @@ def summary_text(data=None):
         lines.append(
             f"bridge: captured mode: {len(captured['compiles'])} region program(s) compiled in {seconds:.1f} s"
             + (f" ({', '.join(regions)})" if regions else "")
-            + "".join(f", {count} {name} optimizer step(s) each as one program" for name, count in sorted(steps.items()))
+            + "".join(f", {count} {name} update(s), each one program" for name, count in sorted(steps.items()))
             + f", {len(captured['graph_breaks'])} graph break(s)"
         )
         for record in captured["compiles"]:
