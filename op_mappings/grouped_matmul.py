@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from bridge.runtime import config
-from bridge.runtime.registry import aten, jnp_dtype, register_mapping
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping, register_named_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _SUPPORTED = (jnp.dtype(jnp.float32), *_LOW_PRECISION)
@@ -132,3 +132,21 @@ def _grouped_contraction_backward(precision, accumulate, saved, cotangent):
 
 
 _grouped_contraction.defvjp(_grouped_contraction_forward, _grouped_contraction_backward)
+
+
+# HuggingFace transformers' MoE layers run their experts through a custom operator of their own
+# where torch.compile would be tracing (`transformers::grouped_mm_fallback`: rows of `input` in
+# groups by `offs`, each times its expert's weight; a loop of `torch.mm` with `offs.tolist()`
+# inside). The bridge traces as torch.compile does (torch.compiler.is_compiling() is true in a
+# trace), so these reach it: the same grouped product as `_grouped_mm`, and its backward.
+
+
+@register_named_mapping("transformers::grouped_mm_fallback")
+def transformers_grouped_mm(input, weight, offs):
+    return grouped_mm(input, weight, offs.astype(jnp.int32))
+
+
+@register_named_mapping("transformers::grouped_mm_fallback_backward")
+def transformers_grouped_mm_backward(input, weight, offs, grad_output):
+    _, pullback = jax.vjp(lambda left, right: transformers_grouped_mm(left, right, offs), input, weight)
+    return tuple(pullback(grad_output))

@@ -21,7 +21,7 @@ from .callsite import user_call_site, warn_at_user_site
 from .config import settings
 from .dtypes import TORCH_TO_JAX
 from .errors import CPUFallbackWarning, DeviceError, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
-from .registry import MAPPINGS, TORCH_GRADIENT, Mapping
+from .registry import MAPPINGS, TORCH_GRADIENT, Mapping, mapping_of
 from . import torch_gradients
 from .tensor import BridgeTensor, numpy_to_torch, read_value, root_of, set_wrapper_layout, torch_to_numpy, write_value
 from . import tensor as tensor_module
@@ -391,7 +391,7 @@ def _make_plan(func):
         stats.op_rung[func] = stats.MAPPED
         stats.op_family[func] = "shapes"
         return plan
-    mapping = MAPPINGS.get(func)
+    mapping = mapping_of(func)
     schema = func._schema
     if mapping is not None:
         if mapping.mutates:

@@ -207,6 +207,32 @@ def register_mapping(*ops, promote=None, operands=None, rng=False, mutates=(), f
     return decorate
 
 
+# Entries for operators of other libraries (`transformers::grouped_mm_fallback`), by qualified
+# name: such an operator exists only once its library registered it, which may be after the
+# tables load, so its entry is made when it first reaches the bridge (mapping_of).
+NAMED_MAPPINGS: dict = {}
+
+
+def register_named_mapping(name, family=None):
+    """Declare a JAX function as the mapping of another library's operator, by its qualified name
+    ('namespace::name'); every overload it has takes it."""
+
+    def decorate(body):
+        NAMED_MAPPINGS[name] = (body, family or body.__module__.rsplit(".", 1)[-1])
+        return body
+
+    return decorate
+
+
+def mapping_of(op):
+    """The table entry of an OpOverload: its own, or the one declared for its qualified name."""
+    mapping = MAPPINGS.get(op)
+    if mapping is None and op.name() in NAMED_MAPPINGS:
+        body, family = NAMED_MAPPINGS[op.name()]
+        mapping = MAPPINGS[op] = Mapping(op=op, body=body, call=body, promote=None, rng=False, family=family)
+    return mapping
+
+
 TORCH_GRADIENT = set()  # OpOverloads whose captured derivative is torch's formula
 
 

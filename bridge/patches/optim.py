@@ -69,7 +69,11 @@ _step_tracing = [0]  # depth of optimizer-step traces in progress
 
 
 def is_compiling(wrapped, instance, args, kwargs):
-    return _step_tracing[0] > 0 or wrapped(*args, **kwargs)
+    """True in every captured trace, as under torch.compile: library code then takes the paths
+    it keeps for compilers (HF transformers skips its attention-mask checks, `.all()` on a traced
+    mask, and routes MoE experts through its own operator), and torch's optimizers keep their
+    scalars as tensors. Eager runs, a region's after a graph break too, see torch's answer."""
+    return _step_tracing[0] > 0 or settings.tracing > 0 or wrapped(*args, **kwargs)
 
 
 def _host_scalar(value):
