@@ -46,6 +46,18 @@ def _unless_found(found_inf, new, old):
     return [[jnp.where(skip, before, after) for after, before in zip(news, olds)] for news, olds in zip(new, old)]
 
 
+def _gradient(param, grad, maximize, weight_decay):
+    """The compute type, the parameter and the gradient as the kernels start: negated for
+    maximize, with L2 weight decay added."""
+    dtype = _compute_type(param.dtype)
+    p, g = param.astype(dtype), grad.astype(dtype)
+    if maximize:
+        g = -g
+    if weight_decay != 0:
+        g = g + p * jnp.asarray(weight_decay, dtype)
+    return dtype, p, g
+
+
 def _adam(decoupled):
     def fused_adam(
         self, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, state_steps, *, lr, beta1, beta2, weight_decay, eps,
@@ -97,12 +109,7 @@ def fused_sgd(
     grads_out = _unscaled(grads, grad_scale)
     params_out, buffers_out = [], []
     for i, (param, grad) in enumerate(zip(self, grads_out)):
-        dtype = _compute_type(param.dtype)
-        p, g = param.astype(dtype), grad.astype(dtype)
-        if maximize:
-            g = -g
-        if weight_decay != 0:
-            g = g + p * jnp.asarray(weight_decay, dtype)
+        dtype, p, g = _gradient(param, grad, maximize, weight_decay)
         if momentum != 0:
             buffer = momentum_buffer_list[i]
             if is_first_step:
@@ -125,12 +132,7 @@ def _adagrad(
     grads_out = _unscaled(grads, grad_scale)
     params_out, sums_out = [], []
     for param, grad, state_sum, step in zip(self, grads_out, state_sums, state_steps):
-        dtype = _compute_type(param.dtype)
-        p, g = param.astype(dtype), grad.astype(dtype)
-        if maximize:
-            g = -g
-        if weight_decay != 0:
-            g = g + p * jnp.asarray(weight_decay, dtype)
+        dtype, p, g = _gradient(param, grad, maximize, weight_decay)
         clr = jnp.asarray(lr, dtype).reshape(()) / (1 + (step.astype(dtype) - 1) * jnp.asarray(lr_decay, dtype))
         s = state_sum.astype(dtype) + g * g
         p = p - clr * g / (jnp.sqrt(s) + jnp.asarray(eps, dtype))

@@ -58,6 +58,19 @@ def bridged():
             bridge.deactivate()
 
 
+@pytest.fixture
+def captured(bridged):
+    """The bridge active in captured mode, with capture's records (compiles, breaks) reset."""
+    from bridge.runtime import capture
+
+    previous = bridged.set_mode("captured")
+    capture.reset()
+    try:
+        yield bridged
+    finally:
+        bridged.set_mode(previous)
+
+
 def run_python(*args, cwd=None, env=None, timeout=300):
     """Run `python ARGS` in a fresh process; returns the CompletedProcess (text, both streams)."""
     full_env = dict(os.environ)

@@ -12,16 +12,6 @@ from bridge.runtime import capture
 from bridge.runtime.tensor import read_value
 
 
-@pytest.fixture
-def captured(bridged):
-    previous = bridged.set_mode("captured")
-    capture.reset()
-    try:
-        yield bridged
-    finally:
-        bridged.set_mode(previous)
-
-
 def _regions(name):
     return [record for record in capture.compiles if record.region.startswith(name)]
 

@@ -101,16 +101,6 @@ def _compare_state(state, state_ref):
             assert value == expected, key
 
 
-@pytest.fixture
-def captured(bridged):
-    previous = bridged.set_mode("captured")
-    capture.reset()
-    try:
-        yield bridged
-    finally:
-        bridged.set_mode(previous)
-
-
 @pytest.mark.parametrize("make, flags", CASES)
 def test_step_is_one_program_and_matches_torch(captured, make, flags):
     steps = 5
