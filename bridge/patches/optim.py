@@ -65,15 +65,12 @@ PATCHES = [
 #   checkpoints read, are brought up to date after each step (an asynchronous copy, finished
 #   at the next step or when the state is read), so the saved state is torch's.
 
-_step_tracing = [0]  # depth of optimizer-step traces in progress
-
-
 def is_compiling(wrapped, instance, args, kwargs):
     """True in every captured trace, as under torch.compile: library code then takes the paths
     it keeps for compilers (HF transformers skips its attention-mask checks, `.all()` on a traced
     mask, and routes MoE experts through its own operator), and torch's optimizers keep their
     scalars as tensors. Eager runs, a region's after a graph break too, see torch's answer."""
-    return _step_tracing[0] > 0 or settings.tracing > 0 or wrapped(*args, **kwargs)
+    return settings.tracing > 0 or wrapped(*args, **kwargs)
 
 
 def _host_scalar(value):
@@ -83,6 +80,10 @@ def _host_scalar(value):
         and value.device.type == "cpu"
         and value.dim() == 0
     )
+
+
+def _params(optimizer):
+    return [p for group in optimizer.param_groups for p in group["params"]]
 
 
 def _python_numbers(optimizer):
@@ -108,17 +109,15 @@ class _StepRegion:
     # The traced body: gradients are inputs (a new tensor every step), hyperparameters static.
     def _body(self, grads, hyperparameters):
         optimizer = self.optimizer()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = _params(optimizer)
         saved = [p.grad for p in params]
         numbers = _python_numbers(optimizer)
         tracing = bool(settings.tracing)  # else the region runs it eagerly, after a break
-        _step_tracing[0] += tracing
         try:
             for p, grad in zip(params, grads):
                 p.grad = grad
             self.step(optimizer)
         finally:
-            _step_tracing[0] -= tracing
             for p, grad in zip(params, saved):
                 p.grad = grad
         if tracing and _python_numbers(optimizer) != numbers:
@@ -135,7 +134,7 @@ class _StepRegion:
     def run(self):
         optimizer = self.optimizer()
         self.finish_copy()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = _params(optimizer)
         index = params[0]._index
         swapped = self._swap_in(optimizer, index)
         try:
@@ -243,7 +242,7 @@ def _capturable_step(optimizer, args, kwargs):
         return False  # a closure (LBFGS) re-evaluates the model inside the step
     if getattr(optimizer, "defaults", {}).get("differentiable"):
         return False
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = _params(optimizer)
     if not params or not all(isinstance(p, BridgeTensor) for p in params):
         return False
     with_grad = [p for p in params if p.grad is not None]
