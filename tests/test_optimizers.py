@@ -69,7 +69,7 @@ def _flags_on(flags, device):
     return flags
 
 
-def _train(make, flags, device, steps=5):
+def _train(make, flags, device, steps=5, clip=None):
     torch.manual_seed(0)
     net = Net()
     if device != "cpu":
@@ -77,12 +77,19 @@ def _train(make, flags, device, steps=5):
     optimizer = make(_groups(net, device), **_flags_on(flags, device))
     schedule = O.lr_scheduler.ExponentialLR(optimizer, 0.8)
     data = torch.Generator().manual_seed(1)
+    programs = []  # the update programs each step ran (captured mode)
+    norms = []
     for _ in range(steps):
         x = torch.randn(8, 6, generator=data).to(device)
         optimizer.zero_grad()
         net(x).square().mean().backward()
+        if clip is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(net.parameters(), clip))  # read after the step
+        before = sum(capture.fused_steps.values())
         optimizer.step()
+        programs.append(sum(capture.fused_steps.values()) - before)
         schedule.step()
+    net.programs, net.norms = programs, [float(norm) for norm in norms]
     return net, optimizer
 
 
@@ -121,9 +128,9 @@ def test_step_is_one_program_and_matches_torch(captured, make, flags):
         [float(group["lr"]) for group in saved_ref["param_groups"]]
     )
     assert not capture.breaks, capture.breaks
-    # Every step after the first (which makes the state) ran as one program; one structure compiled.
-    ran = sum(capture.fused_steps.values())
-    assert ran >= steps - 1, capture.fused_steps
+    # Every step after the first (which makes the state) ran as one program, both parameter
+    # groups in it; one structure compiled.
+    assert net.programs[1:] == [1] * (steps - 1), (net.programs, capture.fused_steps)
     step_compiles = [record for record in capture.compiles if record.region.endswith(".step")]
     assert len(step_compiles) <= 2, step_compiles  # the trace, and its redo once it found the state
 
@@ -236,24 +243,54 @@ def test_fused_kernels_in_eager_mode(bridged, make):
     assert fused and all(rung != stats.CPU_FALLBACK for rung in fused.values()), fused
 
 
-def test_fused_adam_with_grad_scaler(bridged):
+@pytest.mark.parametrize("mode", ["eager", "captured"])
+def test_fused_adam_with_grad_scaler(bridged, mode):
     """GradScaler hands a fused Adam its scale and found_inf: the kernel's mapping unscales the
-    gradients, and skips the step when they were not finite, as torch's kernel does."""
+    gradients, and skips the step when they were not finite, as torch's kernel does. In
+    captured mode each step after the first is one program, the skipped one too (a fresh scale
+    and found_inf every step are its inputs)."""
     results = []
-    for device in ("cpu", "cuda"):
-        torch.manual_seed(0)
-        net = Net().to(device) if device != "cpu" else Net()
-        optimizer = O.Adam(net.parameters(), lr=1e-2, fused=True)
-        scaler = torch.amp.GradScaler(device, init_scale=1024.0)
-        for step in range(4):
-            optimizer.zero_grad()
-            x = torch.ones(2, 6) * (float("inf") if step == 2 else 1.0)
-            loss = net(x.to(device)).square().mean()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        results.append(([p.detach().cpu() for p in net.parameters()], float(scaler.get_scale())))
-    (params_ref, scale_ref), (params, scale) = results
+    previous = bridged.set_mode(mode)
+    try:
+        results.append(_scaled_adam("cpu"))
+        results.append(_scaled_adam("cuda"))
+    finally:
+        bridged.set_mode(previous)
+    (params_ref, scale_ref, _), (params, scale, programs) = results
     assert scale == scale_ref
     for p_ref, p in zip(params_ref, params):
         torch.testing.assert_close(p, p_ref, rtol=2e-5, atol=1e-6)
+    assert programs == ([0, 1, 1, 1] if mode == "captured" else [0] * 4)
+
+
+def _scaled_adam(device):
+    torch.manual_seed(0)
+    net = Net().to(device) if device != "cpu" else Net()
+    optimizer = O.Adam([{"params": net.fc1.parameters()}, {"params": net.fc2.parameters(), "lr": 1e-3}], lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler(device, init_scale=1024.0)
+    programs = []
+    for step in range(4):
+        optimizer.zero_grad()
+        x = torch.ones(2, 6) * (float("inf") if step == 2 else 1.0)
+        loss = net(x.to(device)).square().mean()
+        scaler.scale(loss).backward()
+        before = sum(capture.fused_steps.values())
+        scaler.step(optimizer)
+        programs.append(sum(capture.fused_steps.values()) - before)
+        scaler.update()
+    return [p.detach().cpu() for p in net.parameters()], float(scaler.get_scale()), programs
+
+
+@pytest.mark.parametrize("make", [_make(O.AdamW, lr=1e-2), _make(O.SGD, lr=0.1, momentum=0.9)], ids=["adamw", "sgd"])
+def test_clip_then_step_of_several_groups(captured, make):
+    """A clip waiting for the step (clip_grad_norm_ folds into Adam's and SGD's own update
+    programs) is applied before a step captured whole (several parameter groups): the same
+    parameters as torch's."""
+    steps = 5
+    reference, _ = _train(make, {}, "cpu", steps, clip=0.05)
+    net, _ = _train(make, {}, "cuda", steps, clip=0.05)
+    for p_ref, p in zip(reference.parameters(), net.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=2e-5, atol=1e-6)
+    assert max(reference.norms) > 0.05  # the clip scaled the gradients
+    assert net.programs[1:] == [1] * (steps - 1), capture.fused_steps
+    assert not capture.breaks

@@ -351,7 +351,7 @@ def _bind(wrapped, args, kwargs):
 
 
 def adam(wrapped, instance, args, kwargs):
-    if not settings.capture:
+    if not settings.capture or settings.tracing:  # a traced step is torch's own, through the tables
         return wrapped(*args, **kwargs)
     a = _bind(wrapped, args, kwargs)
     params = a["params"]
@@ -421,7 +421,7 @@ def adam(wrapped, instance, args, kwargs):
 
 
 def sgd(wrapped, instance, args, kwargs):
-    if not settings.capture:
+    if not settings.capture or settings.tracing:  # a traced step is torch's own, through the tables
         return wrapped(*args, **kwargs)
     a = _bind(wrapped, args, kwargs)
     params, grads, buffers = a["params"], a["d_p_list"], a["momentum_buffer_list"]

@@ -50,7 +50,8 @@ PATCHES = [
 # and replayed after, as module calls are (runtime/capture.py). This serves every optimizer
 # written in torch ops, torch.optim's and others (HF's Adafactor, a user's Lion), in whichever
 # implementation the script picked; Adam, AdamW and SGD keep their own update programs
-# (bridge/patches/capture.py), which also fold a waiting clip_grad_norm_ in.
+# (bridge/patches/capture.py) for the steps they serve in one program (_own_program_serves),
+# which also fold a waiting clip_grad_norm_ in.
 #
 # What the trace must see as torch.compile's does:
 # - `torch.compiler.is_compiling()` is true, so torch's steps keep their scalars as tensors
@@ -94,6 +95,10 @@ def _python_numbers(optimizer):
     return numbers
 
 
+# What torch.amp.GradScaler sets on an optimizer whose step unscales (fused ones) for one step.
+_SCALER_ATTRIBUTES = ("grad_scale", "found_inf")
+
+
 class _StepRegion:
     """One optimizer's captured step: its region, its mirrors and the host values in flight."""
 
@@ -106,20 +111,29 @@ class _StepRegion:
         name = f"{type(optimizer).__name__}.step"
         self.region = capture.Region(self._body, name)
 
-    # The traced body: gradients are inputs (a new tensor every step), hyperparameters static.
-    def _body(self, grads, hyperparameters):
+    # The traced body: gradients are inputs (a new tensor every step), and so are the scale and
+    # found_inf GradScaler hands a fused step (new tensors every step, set on the optimizer);
+    # hyperparameters are static.
+    def _body(self, grads, scaler_tensors, hyperparameters):
         optimizer = self.optimizer()
         params = _params(optimizer)
         saved = [p.grad for p in params]
+        saved_scaler = [getattr(optimizer, name, None) for name in _SCALER_ATTRIBUTES]
         numbers = _python_numbers(optimizer)
         tracing = bool(settings.tracing)  # else the region runs it eagerly, after a break
         try:
             for p, grad in zip(params, grads):
                 p.grad = grad
+            for name, tensor in zip(_SCALER_ATTRIBUTES, scaler_tensors):
+                if tensor is not None:
+                    setattr(optimizer, name, tensor)
             self.step(optimizer)
         finally:
             for p, grad in zip(params, saved):
                 p.grad = grad
+            for name, tensor in zip(_SCALER_ATTRIBUTES, saved_scaler):
+                if tensor is not None:
+                    setattr(optimizer, name, tensor)
         if tracing and _python_numbers(optimizer) != numbers:
             for owner, entries in zip([*optimizer.state.values(), *optimizer.param_groups], numbers):
                 owner.update(entries)  # as before the trace: the eager run counts once
@@ -148,8 +162,9 @@ class _StepRegion:
                 )
                 for group in optimizer.param_groups
             ) + tuple(_python_numbers(optimizer))
+            scaler_tensors = [getattr(optimizer, name, None) for name in _SCALER_ATTRIBUTES]
             with torch.no_grad():
-                self.region([p.grad for p in params], hyperparameters)
+                self.region([p.grad for p in params], scaler_tensors, hyperparameters)
         finally:
             self._swap_out(swapped)
         self._start_copy()
@@ -158,8 +173,14 @@ class _StepRegion:
 
     def _mirror(self, host, index):
         known = self.mirrors.get(id(host))
-        if known is not None and known[0] is host and known[1] == host._version:
-            return known[2]
+        if known is not None and known[0] is host:
+            mirror = known[2]
+            if known[1] != host._version:
+                # Changed on the host since (a scheduler's `fill_` of a tensor lr): the same
+                # mirror takes the value, as the programs read this tensor.
+                write_value(mirror, to_bridge(host, index)._value)
+                self.mirrors[id(host)] = (host, host._version, mirror)
+            return mirror
         mirror = to_bridge(host, index)
         self.mirrors[id(host)] = (host, host._version, mirror)
         return mirror
@@ -221,22 +242,40 @@ class _StepRegion:
         values = numpy.asarray(values)
         with torch.no_grad():
             for host, value in zip(hosts, values):
-                host.fill_(float(value))
                 known = self.mirrors.get(id(host))
-                if known is not None and known[0] is host:
-                    self.mirrors[id(host)] = (host, host._version, known[2])
+                if known is None or known[0] is not host or known[1] != host._version:
+                    continue  # written on the host since the step (a scheduler's fill_): that value is newer
+                host.fill_(float(value))
+                self.mirrors[id(host)] = (host, host._version, known[2])
 
 
 _stack = jax.jit(lambda values: jnp.stack([value.astype(jnp.float64 if value.dtype == jnp.float64 else jnp.float32) for value in values]))
 _step_regions = weakref.WeakKeyDictionary()  # optimizer -> _StepRegion
 
-# Optimizers whose step is already one program (their update functions are patched).
+# Optimizers with update programs of their own (bridge/patches/capture.py patches their update
+# functions), which also take a waiting clip_grad_norm_ in.
 _OWN_PROGRAMS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def _own_program_serves(optimizer):
+    """Whether Adam's, AdamW's or SGD's own update program makes this step one program: torch
+    calls the update once per parameter group, with float hyperparameters, float32 or float64
+    parameters, and no scale handed in by GradScaler. Other steps of theirs are captured whole."""
+    if type(optimizer) not in _OWN_PROGRAMS:
+        return False
+    if len(optimizer.param_groups) != 1 or getattr(optimizer, "grad_scale", None) is not None:
+        return False
+    group = optimizer.param_groups[0]
+    scalars = [group.get("lr"), *group.get("betas", ())]
+    params = group["params"]
+    return not any(isinstance(value, BridgeTensor) for value in scalars) and all(
+        p.dtype in (torch.float32, torch.float64) for p in params
+    )
 
 
 def _capturable_step(optimizer, args, kwargs):
     """Whether this call of optimizer.step can run as a captured program."""
-    if not settings.capture or settings.tracing or type(optimizer) in _OWN_PROGRAMS:
+    if not settings.capture or settings.tracing or _own_program_serves(optimizer):
         return False
     if args or kwargs.get("closure") is not None:
         return False  # a closure (LBFGS) re-evaluates the model inside the step
