@@ -283,8 +283,8 @@ def _scaled_adam(device):
 
 @pytest.mark.parametrize("make", [_make(O.AdamW, lr=1e-2), _make(O.SGD, lr=0.1, momentum=0.9)], ids=["adamw", "sgd"])
 def test_clip_then_step_of_several_groups(captured, make):
-    """A clip waiting for the step (clip_grad_norm_ folds into Adam's and SGD's own update
-    programs) is applied before a step captured whole (several parameter groups): the same
+    """A clip waiting for the step runs in the program of a step captured whole (several
+    parameter groups), as it does in Adam's and SGD's own update programs: the same norms and
     parameters as torch's."""
     steps = 5
     reference, _ = _train(make, {}, "cpu", steps, clip=0.05)
@@ -292,5 +292,8 @@ def test_clip_then_step_of_several_groups(captured, make):
     for p_ref, p in zip(reference.parameters(), net.parameters()):
         torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=2e-5, atol=1e-6)
     assert max(reference.norms) > 0.05  # the clip scaled the gradients
+    torch.testing.assert_close(torch.tensor(net.norms), torch.tensor(reference.norms), rtol=1e-5, atol=1e-7)
     assert net.programs[1:] == [1] * (steps - 1), capture.fused_steps
+    # the clip ran in the step's program (the first step's clip, before any state, on its own)
+    assert len([record for record in capture.compiles if record.region == "clip_grad_norm_"]) <= 1
     assert not capture.breaks

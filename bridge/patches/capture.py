@@ -262,15 +262,20 @@ def compile(model=None, *, fullgraph=False, dynamic=None, backend=None, mode=Non
 # ---------------------------------------------------------------- gradient clipping
 
 
-def _clip_body(grads, max_norm, norm_type, foreach):
-    """torch's clip_grad_norm_ on a list of gradients (its own norm, then its own scaling)."""
+def clip_in_place(grads, max_norm, norm_type, foreach=None):
+    """torch's clip_grad_norm_ on a list of gradients (its own norm, then its own scaling);
+    returns the total norm and the coefficient."""
     from torch.nn.utils import clip_grad
 
     total = clip_grad._get_total_norm(grads, norm_type, False, foreach)
     coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for grad in grads:
         grad.mul_(coefficient)
-    return total
+    return total, coefficient
+
+
+def _clip_body(grads, max_norm, norm_type, foreach):
+    return clip_in_place(grads, max_norm, norm_type, foreach)[0]
 
 
 _clip_region = capture.Region(_clip_body, "clip_grad_norm_")

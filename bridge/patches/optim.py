@@ -15,11 +15,12 @@ import jax.numpy as jnp
 import numpy
 import torch
 
-from bridge.runtime import capture
+from bridge.runtime import capture, optimizers
 from bridge.runtime.config import settings
-from bridge.runtime.tensor import BridgeTensor, read_value, to_bridge, write_value
+from bridge.runtime.tensor import BridgeTensor, read_value, root_of, to_bridge, write_value
 
 from . import Patch
+from .capture import clip_in_place
 
 
 def group_tensors_by_device_and_dtype(wrapped, instance, args, kwargs):
@@ -95,6 +96,21 @@ def _python_numbers(optimizer):
     return numbers
 
 
+def _waiting_clip(grads):
+    """The clip_grad_norm_ waiting for exactly these gradients (whole arrays), if any: the step's
+    program can compute it."""
+    present = [grad for grad in grads if grad is not None]
+    clip = optimizers.PendingClip.of(present) if present else None
+    if clip is None or clip.coefficient is not None:
+        return None
+    roots = [root_of(grad) for grad in present]
+    if {id(root) for root in roots} != {id(grad) for grad in clip.grads} or len(roots) != len(clip.grads):
+        return None
+    if any(root.shape != grad.shape for root, grad in zip(roots, present)):
+        return None
+    return clip
+
+
 # What torch.amp.GradScaler sets on an optimizer whose step unscales (fused ones) for one step.
 _SCALER_ATTRIBUTES = ("grad_scale", "found_inf")
 
@@ -114,13 +130,18 @@ class _StepRegion:
     # The traced body: gradients are inputs (a new tensor every step), and so are the scale and
     # found_inf GradScaler hands a fused step (new tensors every step, set on the optimizer);
     # hyperparameters are static.
-    def _body(self, grads, scaler_tensors, hyperparameters):
+    # A clip_grad_norm_ waiting for this step (`clip`: its max_norm and norm_type) runs first in
+    # the same program, on the unclipped gradients; its norm and coefficient are returned.
+    def _body(self, grads, scaler_tensors, hyperparameters, clip):
         optimizer = self.optimizer()
         params = _params(optimizer)
         saved = [p.grad for p in params]
         saved_scaler = [getattr(optimizer, name, None) for name in _SCALER_ATTRIBUTES]
         numbers = _python_numbers(optimizer)
         tracing = bool(settings.tracing)  # else the region runs it eagerly, after a break
+        clipped = None
+        if clip is not None:
+            clipped = clip_in_place([grad for grad in grads if grad is not None], *clip)
         try:
             for p, grad in zip(params, grads):
                 p.grad = grad
@@ -143,7 +164,7 @@ class _StepRegion:
                 "the optimizer's step changes Python numbers in its state or param_groups, which a compiled "
                 "replay would not change"
             )
-        return None
+        return clipped
 
     def run(self):
         optimizer = self.optimizer()
@@ -163,8 +184,17 @@ class _StepRegion:
                 for group in optimizer.param_groups
             ) + tuple(_python_numbers(optimizer))
             scaler_tensors = [getattr(optimizer, name, None) for name in _SCALER_ATTRIBUTES]
+            grads = [p.grad for p in params]
+            clip = _waiting_clip(grads)
+            if clip is not None:
+                # The unclipped values go in; the gradients stay waiting for the coefficient.
+                grads = [None if grad is None else BridgeTensor(root_of(grad)._value, grad._index) for grad in grads]
             with torch.no_grad():
-                self.region([p.grad for p in params], scaler_tensors, hyperparameters)
+                clipped = self.region(
+                    grads, scaler_tensors, hyperparameters, None if clip is None else (clip.max_norm, clip.norm_type)
+                )
+            if clip is not None and clipped is not None:
+                clip.taken(*map(read_value, clipped))
         finally:
             self._swap_out(swapped)
         self._start_copy()

@@ -1,0 +1,209 @@
+"""Every torch.optim optimizer's step on GPT-2 small's parameters, in each implementation torch
+offers, as torch runs it and as the bridge runs it (captured mode), one process each, in one run.
+
+    python benchmarks/optimizer_steps.py [--tiny] [--steps 20] [--only adam,sgd] [--out DIR]
+
+The parameters are GPT-2 small's 148 (12 layers x 768, vocab 50304; float32, 124M values) with
+fixed gradients; each case builds its optimizer, takes 3 steps (the first makes the state; the
+bridge compiles the step's program at the second), then times `--steps` steps, each followed by
+a device synchronization (`torch.cuda.synchronize()`, which the bridge maps onto JAX), and
+reports the median. The bridge's rows also say how many programs each timed step ran (one is
+the goal: the report's "optimizer step(s), each one program").
+
+Figures: per optimizer, torch's fastest implementation (fused where torch has it, else foreach)
+against each of the bridge's, and their ratio. Writes <out>/<name>.{md,json}.
+"""
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+# (name, constructor keyword arguments, implementations torch offers on a GPU)
+OPTIMIZERS = [
+    ("Adam", dict(lr=3e-4, weight_decay=0.0), ["fused", "foreach", "single", "capturable"]),
+    ("AdamW", dict(lr=3e-4, weight_decay=0.1), ["fused", "foreach", "single", "capturable"]),
+    ("SGD", dict(lr=0.1, momentum=0.9, weight_decay=1e-4), ["fused", "foreach", "single"]),
+    ("Adagrad", dict(lr=0.01), ["fused", "foreach", "single"]),
+    ("Adadelta", dict(lr=1.0), ["foreach", "single", "capturable"]),
+    ("Adamax", dict(lr=2e-3), ["foreach", "single", "capturable"]),
+    ("ASGD", dict(lr=0.01), ["foreach", "single", "capturable"]),
+    ("NAdam", dict(lr=2e-3), ["foreach", "single", "capturable"]),
+    ("RAdam", dict(lr=1e-3), ["foreach", "single", "capturable"]),
+    ("RMSprop", dict(lr=1e-2, momentum=0.9), ["foreach", "single", "capturable"]),
+    ("Rprop", dict(lr=1e-2), ["foreach", "single", "capturable"]),
+]
+FLAGS = {
+    "fused": {"fused": True},
+    "foreach": {"foreach": True},
+    "single": {"foreach": False},
+    "capturable": {"capturable": True, "foreach": True},
+}
+
+
+def _parameters(tiny, device):
+    import torch
+
+    import models
+
+    config = models.GPT2_TINY if tiny else models.GPT2_SMALL
+    with torch.device("meta"):
+        shapes = [tuple(p.shape) for p in models.GPT(**config).parameters()]
+    generator = torch.Generator().manual_seed(0)
+    params = []
+    for shape in shapes:
+        param = torch.nn.Parameter((torch.randn(shape, generator=generator) * 0.02).to(device))
+        param.grad = (torch.randn(shape, generator=generator) * 1e-3).to(device)
+        params.append(param)
+    return params
+
+
+def _measure(options):
+    """One process: every case under one runtime; prints one JSON line per case."""
+    import torch
+
+    bridged = options.runtime == "bridge"
+    if bridged:
+        import bridge
+        from bridge.runtime import capture
+
+        bridge.activate(mode="captured")
+    device = "cuda" if bridged or torch.cuda.is_available() else "cpu"
+    params = _parameters(options.tiny, device)
+    only = set(options.only.split(",")) if options.only else None
+    for name, kwargs, implementations in OPTIMIZERS:
+        if only and name.lower() not in only:
+            continue
+        for implementation in implementations:
+            if device == "cpu" and implementation in ("capturable",):
+                continue  # torch's capturable needs an accelerator
+            optimizer = getattr(torch.optim, name)(params, **kwargs, **FLAGS[implementation])
+            times, programs = [], []
+            for step in range(3 + options.steps):
+                before = sum(capture.fused_steps.values()) if bridged else 0
+                torch.cuda.synchronize() if device == "cuda" else None
+                start = time.perf_counter()
+                optimizer.step()
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                if step >= 3:
+                    times.append((time.perf_counter() - start) * 1e3)
+                    programs.append(sum(capture.fused_steps.values()) - before if bridged else None)
+            record = {
+                "runtime": options.runtime,
+                "optimizer": name,
+                "implementation": implementation,
+                "ms": round(statistics.median(times), 3),
+                "spread": [round(min(times), 3), round(max(times), 3)],
+                "programs_per_step": programs[-1] if bridged else None,
+            }
+            print("RESULT " + json.dumps(record), flush=True)
+            del optimizer
+            gc.collect()
+
+
+def _versions():
+    import jax
+    import torch
+
+    found = {"python": platform.python_version(), "torch": torch.__version__, "jax": jax.__version__}
+    try:
+        found["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        found["gpu"] = "none"
+    return found
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tiny", action="store_true", help="GPT-2 tiny's parameters (a CPU smoke run)")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--only", default="", help="optimizers by lower-case name, comma-separated")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--name", default="optimizer_steps")
+    parser.add_argument("--runtime", choices=["torch", "bridge"], help=argparse.SUPPRESS)
+    options = parser.parse_args(argv)
+    if options.runtime:
+        _measure(options)
+        return 0
+
+    records, logs = [], {}
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    for runtime in ("torch", "bridge"):
+        command = [sys.executable, __file__, "--runtime", runtime, "--steps", str(options.steps)]
+        command += ["--tiny"] if options.tiny else []
+        command += ["--only", options.only] if options.only else []
+        done = subprocess.run(command, env=env, capture_output=True, text=True)
+        output = done.stdout + done.stderr
+        logs[runtime] = output[-3000:]
+        for line in done.stdout.splitlines():
+            if line.startswith("RESULT "):
+                records.append(json.loads(line[len("RESULT "):]))
+        if done.returncode:
+            print(output[-3000:], file=sys.stderr)
+
+    def ms(runtime, name, implementation):
+        for record in records:
+            if (record["runtime"], record["optimizer"], record["implementation"]) == (runtime, name, implementation):
+                return record
+        return None
+
+    lines = ["| optimizer | torch fastest | torch ms | bridge implementation | bridge ms | programs a step | bridge / torch fastest |", "|---|---|---|---|---|---|---|"]
+    summary = []
+    for name, _, implementations in OPTIMIZERS:
+        torch_rows = [r for r in (ms("torch", name, i) for i in implementations) if r]
+        if not torch_rows:
+            continue
+        fastest = min(torch_rows, key=lambda r: r["ms"])
+        ratios = []
+        for implementation in implementations:
+            row = ms("bridge", name, implementation)
+            if row is None:
+                continue
+            ratio = row["ms"] / fastest["ms"]
+            ratios.append(ratio)
+            lines.append(
+                f"| {name} | {fastest['implementation']} | {fastest['ms']} | {implementation} | {row['ms']} | "
+                f"{row['programs_per_step']} | {ratio:.2f} |"
+            )
+        if ratios:
+            summary.append({"optimizer": name, "torch_fastest": fastest["implementation"], "worst_ratio": round(max(ratios), 3), "best_ratio": round(min(ratios), 3)})
+    torch_table = ["| optimizer | implementation | torch ms (median) | min-max |", "|---|---|---|---|"]
+    torch_table += [
+        f"| {r['optimizer']} | {r['implementation']} | {r['ms']} | {r['spread'][0]}-{r['spread'][1]} |"
+        for r in records if r["runtime"] == "torch"
+    ]
+    versions = _versions()
+    command = "python benchmarks/optimizer_steps.py" + (" --tiny" if options.tiny else "") + (f" --only {options.only}" if options.only else "")
+    text = (
+        f"# Optimizer steps: torch and the bridge on GPT-2 {'tiny' if options.tiny else 'small'}'s parameters\n\n"
+        f"Command: `{command}`; generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
+        f"Machine and versions: {json.dumps(versions)}\n\n"
+        "Median ms a step (step + device synchronization), over "
+        f"{options.steps} steps after 3. Each bridge implementation against torch's fastest for that optimizer:\n\n"
+        + "\n".join(lines) + "\n\n## torch, every implementation\n\n" + "\n".join(torch_table) + "\n"
+    )
+    os.makedirs(options.out, exist_ok=True)
+    base = os.path.join(options.out, options.name)
+    with open(base + ".json", "w") as handle:
+        json.dump({"versions": versions, "command": command, "records": records, "summary": summary, "logs": logs}, handle, indent=2)
+    with open(base + ".md", "w") as handle:
+        handle.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
