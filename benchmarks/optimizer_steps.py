@@ -86,26 +86,29 @@ def _measure(options):
         for implementation in implementations:
             if device == "cpu" and implementation in ("capturable",):
                 continue  # torch's capturable needs an accelerator
-            optimizer = getattr(torch.optim, name)(params, **kwargs, **FLAGS[implementation])
+            record = {"runtime": options.runtime, "optimizer": name, "implementation": implementation}
+            try:
+                optimizer = getattr(torch.optim, name)(params, **kwargs, **FLAGS[implementation])
+                optimizer.step()
+            except RuntimeError as error:  # an implementation torch lacks on this device
+                print("RESULT " + json.dumps({**record, "error": str(error).splitlines()[0][:200]}), flush=True)
+                continue
             times, programs = [], []
-            for step in range(3 + options.steps):
+            for step in range(2 + options.steps):
                 before = sum(capture.fused_steps.values()) if bridged else 0
                 torch.cuda.synchronize() if device == "cuda" else None
                 start = time.perf_counter()
                 optimizer.step()
                 if device == "cuda":
                     torch.cuda.synchronize()
-                if step >= 3:
+                if step >= 2:
                     times.append((time.perf_counter() - start) * 1e3)
                     programs.append(sum(capture.fused_steps.values()) - before if bridged else None)
-            record = {
-                "runtime": options.runtime,
-                "optimizer": name,
-                "implementation": implementation,
+            record.update({
                 "ms": round(statistics.median(times), 3),
                 "spread": [round(min(times), 3), round(max(times), 3)],
                 "programs_per_step": programs[-1] if bridged else None,
-            }
+            })
             print("RESULT " + json.dumps(record), flush=True)
             del optimizer
             gc.collect()
@@ -157,7 +160,7 @@ def main(argv=None):
     def ms(runtime, name, implementation):
         for record in records:
             if (record["runtime"], record["optimizer"], record["implementation"]) == (runtime, name, implementation):
-                return record
+                return record if "ms" in record else None
         return None
 
     lines = ["| optimizer | torch fastest | torch ms | bridge implementation | bridge ms | programs a step | bridge / torch fastest |", "|---|---|---|---|---|---|---|"]
@@ -183,6 +186,7 @@ def main(argv=None):
     torch_table = ["| optimizer | implementation | torch ms (median) | min-max |", "|---|---|---|---|"]
     torch_table += [
         f"| {r['optimizer']} | {r['implementation']} | {r['ms']} | {r['spread'][0]}-{r['spread'][1]} |"
+        if "ms" in r else f"| {r['optimizer']} | {r['implementation']} | not run: {r['error']} | |"
         for r in records if r["runtime"] == "torch"
     ]
     versions = _versions()

@@ -15,6 +15,10 @@ Programs (each run as its authors ship it; only command-line flags they offer ar
   GPT-2 of 6 layers x 768 built from a config, batch 8x512 of random tokens
   (benchmarks/programs/hf_trainer_gpt2.py). Cases: torch eager, the bridge. Figures: median ms a
   step over steps 20-60, and the time to the first step's end.
+- timm: a timm training step as timm's train.py takes it (benchmarks/programs/timm_train.py:
+  resnet50 from timm.create_model, timm's AdamW factory, bf16 autocast, label smoothing,
+  timm's clip at 1.0, channels-last batches of 64). Cases: torch eager, torch.compile, the
+  bridge. Figure: median ms a step over steps 10-40.
 - imagenet: pytorch/examples imagenet/main.py -a resnet50 --dummy (DataParallel, SGD, top-1/5
   accuracy each batch; FakeData decoded by its DataLoader workers). Cases: torch eager, the
   bridge. Figure: the script's own averaged batch time at its last progress line within the
@@ -122,6 +126,26 @@ def hf_trainer(scratch, timeout):
     return cases
 
 
+def timm_train(scratch, timeout):
+    script = os.path.join(HERE, "programs", "timm_train.py")
+    cases = {}
+    for case, command, env in (
+        ("torch", [sys.executable, script], None),
+        ("torch-compile", [sys.executable, script, "--compile"], None),
+        ("bridge", *_bridge([script], os.path.join(scratch, "cache-timm"))),
+    ):
+        output, seconds, timed_out = _run(command, scratch, timeout, env)
+        result = re.findall(r"RESULT (\{.*\})", output)
+        cases[case] = {
+            **(json.loads(result[-1]) if result else {}),
+            "wall_seconds": round(seconds, 1),
+            "timed_out": timed_out,
+            "bridge_summary": _summary_lines(output),
+            "tail": output[-1500:],
+        }
+    return cases
+
+
 def imagenet(checkout, scratch, seconds):
     folder = os.path.join(checkout, "imagenet")
     args = ["main.py", "-a", "resnet50", "--dummy", "-p", "10", "-j", "12", "--epochs", "1"]
@@ -215,7 +239,7 @@ def report(results, versions, out):
         "|---|---|---|---|---|---|",
     ]
     for program, cases in results.items():
-        key = {"nanogpt-bench": "ms_per_step", "hf-trainer": "ms_per_step", "imagenet": "steady_batch_seconds", "word-lm": "ms_per_batch"}[program]
+        key = {"nanogpt-bench": "ms_per_step", "hf-trainer": "ms_per_step", "timm": "ms_per_step", "imagenet": "steady_batch_seconds", "word-lm": "ms_per_batch"}[program]
         unit = "s/batch" if program == "imagenet" else "ms"
         values = {case: cases.get(case, {}).get(key) for case in ("torch", "torch-compile", "bridge")}
         cell = lambda value: "-" if value is None else f"{value} {unit}"  # noqa: E731
@@ -244,7 +268,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nanogpt", help="a nanoGPT checkout")
     parser.add_argument("--examples", help="a pytorch/examples checkout")
-    parser.add_argument("--programs", default="nanogpt-bench,hf-trainer,imagenet,word-lm")
+    parser.add_argument("--programs", default="nanogpt-bench,hf-trainer,timm,imagenet,word-lm")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--timeout", type=int, default=240, help="seconds per case at most")
     parser.add_argument("--window", type=int, default=75, help="seconds given to each imagenet and word-lm case")
@@ -256,6 +280,8 @@ def main():
             results[program] = nanogpt_bench(options.nanogpt, scratch, options.timeout)
         elif program == "hf-trainer":
             results[program] = hf_trainer(scratch, options.timeout)
+        elif program == "timm":
+            results[program] = timm_train(scratch, options.timeout)
         elif program == "imagenet":
             results[program] = imagenet(options.examples, scratch, options.window)
         elif program == "word-lm":

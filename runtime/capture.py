@@ -127,8 +127,25 @@ def _leaf_key(leaf):
     return (type(leaf), leaf)
 
 
+class Static:
+    """A hashable value a region's caller passes whole as one static argument (a pytree leaf):
+    part of the program's key, not flattened on every call."""
+
+    __slots__ = ("value", "_hash")
+
+    def __init__(self, value):
+        self.value = value
+        self._hash = hash(value)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return isinstance(other, Static) and self._hash == other._hash and self.value == other.value
+
+
 # Python values a program can be specialized on (they are part of its key).
-_STATIC_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format, torch.layout, type(Ellipsis), slice)
+_STATIC_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format, torch.layout, type(Ellipsis), slice, Static)
 
 
 def _context_key():

@@ -116,9 +116,9 @@ class CompiledEntry:
         return (positional_spec, keyword_spec)
 
     def variant(self, values, keywords):
-        """The compiled program that runs these arguments, taking their arrays as one list;
-        None if there is none, or if it depends on more than the arguments."""
-        if not (self.enabled and settings.compile_ops) or self.reads_precision:
+        """The compiled program that runs these arguments, taking their arrays as one list (for
+        the precision settings now, if it reads them); None if there is none."""
+        if not (self.enabled and settings.compile_ops):
             return None
         return self.variants.get(self._key(values, keywords, []))
 

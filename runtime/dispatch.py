@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch._decomp
 
-from . import devices, random, stats
+from . import config, devices, random, stats
 from .compiled_ops import CompiledEntry
 from .callsite import user_call_site, warn_at_user_site
 from .config import settings
@@ -578,14 +578,24 @@ def _functional_counterpart(func):
     return None
 
 
+_prechecked = set()  # (op, direct key) of calls whose signature was checked
+
+
 def _precheck(func, args, kwargs):
     """Run the meta kernel once per signature so invalid calls raise torch's own error."""
     if not settings.check_signatures:
+        return
+    direct = _direct_key(args, kwargs)  # finer than the signature, and cheaper to make
+    if direct is not None and (func, direct) in _prechecked:
         return
     key = _signature(func, args, kwargs)
     if key not in _checked:
         _meta_result(func, args, kwargs)
         _checked[key] = None
+    if direct is not None:
+        if len(_prechecked) >= _DIRECT_LIMIT:
+            _prechecked.clear()
+        _prechecked.add((func, direct))
 
 
 # A call repeating an earlier one's shapes, dtypes, devices and scalars, with no keyword
@@ -595,23 +605,39 @@ def _precheck(func, args, kwargs):
 _DIRECT_LIMIT = 4096
 
 
-def _direct_key(args):
+_STATIC_ARGUMENT_TYPES = (torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _direct_item(value):
+    """One argument's part of a direct key; None where the argument does not qualify."""
+    kind = type(value)
+    if kind is BridgeTensor:
+        return (value.shape, value.dtype, value._index)
+    if kind is float:
+        return None if value != value else (float, value.hex())
+    if kind is int or kind is bool or value is None or kind in _STATIC_ARGUMENT_TYPES:
+        return (kind, value)
+    if (kind is list or kind is tuple) and all(type(item) is int for item in value):
+        return (kind, tuple(value))  # sizes, dims
+    return None
+
+
+def _direct_key(args, kwargs):
     """What decides the program and the result's device for these arguments: bridge tensors'
-    shapes, dtypes and devices, scalars exactly (-0.0 is not 0.0); None where an argument is
-    something else (a list, a plain tensor) or a NaN."""
+    shapes, dtypes and devices, scalars exactly (-0.0 is not 0.0), sizes and dtypes; None where
+    an argument is something else (a list of tensors, a plain tensor, a tensor passed by
+    keyword) or a NaN."""
     key = []
     for value in args:
-        kind = type(value)
-        if kind is BridgeTensor:
-            key.append((value.shape, value.dtype, value._index))
-        elif kind is float:
-            if value != value:
-                return None
-            key.append((float, value.hex()))
-        elif kind is int or kind is bool or value is None:
-            key.append((kind, value))
-        else:
+        item = _direct_item(value)
+        if item is None:
             return None
+        key.append(item)
+    for name, value in kwargs.items():
+        item = _direct_item(value)
+        if item is None or type(value) is BridgeTensor:
+            return None
+        key.append((name, item))
     return tuple(key)
 
 
@@ -624,8 +650,10 @@ def _mapped_plan(func, mapping):
 
     def run(args, kwargs):
         direct_key = None
-        if direct is not None and not kwargs and settings.compile_ops and not settings.tracing:
-            direct_key = _direct_key(args)
+        if direct is not None and settings.compile_ops and not settings.tracing:
+            direct_key = _direct_key(args, kwargs)
+            if direct_key is not None and call.reads_precision:
+                direct_key += (config.precision_settings(),)  # torch.set_float32_matmul_precision
             known = direct.get(direct_key) if direct_key is not None else None
             if known is not None:
                 program, index = known

@@ -349,8 +349,13 @@ def _uniform(params):
     return dtype
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(function):
+    return inspect.signature(function)
+
+
 def _bind(wrapped, args, kwargs):
-    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    bound = _signature(wrapped).bind(*args, **kwargs)
     bound.apply_defaults()
     return bound.arguments
 

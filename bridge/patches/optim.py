@@ -122,7 +122,7 @@ class _StepRegion:
         self.optimizer = weakref.ref(optimizer)
         self.step = step  # the class's step below this patch, unbound
         self.mirrors = {}  # id(host tensor) -> (host tensor, its _version when mirrored, mirror)
-        self.rates = {}  # group position -> lr mirror (groups whose float lr is carried as a tensor)
+        self.rates = {}  # group position -> (lr mirror, its float) (groups whose float lr is carried as a tensor)
         self.in_flight = None  # (host tensors, device array being copied to the host)
         name = f"{type(optimizer).__name__}.step"
         self.region = capture.Region(self._body, name)
@@ -141,7 +141,7 @@ class _StepRegion:
         tracing = bool(settings.tracing)  # else the region runs it eagerly, after a break
         clipped = None
         if clip is not None:
-            clipped = clip_in_place([grad for grad in grads if grad is not None], *clip)
+            clipped = clip_in_place([grad for grad in grads if grad is not None], *clip.value)
         try:
             for p, grad in zip(params, grads):
                 p.grad = grad
@@ -191,7 +191,10 @@ class _StepRegion:
                 grads = [None if grad is None else BridgeTensor(root_of(grad)._value, grad._index) for grad in grads]
             with torch.no_grad():
                 clipped = self.region(
-                    grads, scaler_tensors, hyperparameters, None if clip is None else (clip.max_norm, clip.norm_type)
+                    grads,
+                    scaler_tensors,
+                    capture.Static(hyperparameters),
+                    None if clip is None else capture.Static((clip.max_norm, clip.norm_type)),
                 )
             if clip is not None and clipped is not None:
                 clip.taken(*map(read_value, clipped))
@@ -243,11 +246,12 @@ class _StepRegion:
 
     def _rate(self, position, lr, param):
         dtype = param.dtype if param.dtype == torch.float64 else torch.float32
-        mirror = self.rates.get(position)
+        mirror, known = self.rates.get(position, (None, None))
         if mirror is None or mirror.dtype != dtype:
-            mirror = self.rates[position] = to_bridge(torch.tensor(lr, dtype=dtype), param._index)
-        else:
+            mirror = to_bridge(torch.tensor(lr, dtype=dtype), param._index)
+        elif known != lr:  # a schedule changed it (else no transfer)
             write_value(mirror, to_bridge(torch.tensor(lr, dtype=dtype), param._index)._value)
+        self.rates[position] = (mirror, lr)
         return mirror
 
     @staticmethod
@@ -270,13 +274,13 @@ class _StepRegion:
         hosts, values = self.in_flight
         self.in_flight = None
         values = numpy.asarray(values)
-        with torch.no_grad():
-            for host, value in zip(hosts, values):
-                known = self.mirrors.get(id(host))
-                if known is None or known[0] is not host or known[1] != host._version:
-                    continue  # written on the host since the step (a scheduler's fill_): that value is newer
-                host.fill_(float(value))
-                self.mirrors[id(host)] = (host, host._version, known[2])
+        for host, value in zip(hosts, values):
+            known = self.mirrors.get(id(host))
+            if known is None or known[0] is not host or known[1] != host._version:
+                continue  # written on the host since the step (a scheduler's fill_): that value is newer
+            # Into the tensor's memory, as fill_ would write it (without a torch call per
+            # tensor: GPT-2 has 148 step counts); its version stays the one mirrored.
+            host.numpy()[()] = value
 
 
 _stack = jax.jit(lambda values: jnp.stack([value.astype(jnp.float64 if value.dtype == jnp.float64 else jnp.float32) for value in values]))

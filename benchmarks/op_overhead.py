@@ -1,0 +1,244 @@
+"""Host cost of single ops in eager mode: the bridge against raw JAX (the same op as a jitted,
+cached executable: JAX's own dispatch cost) and native torch, on whatever machine it runs on
+(torch CUDA and JAX's GPU backend on a GPU machine; both on the CPU elsewhere). The ops are
+those real training loops run between the model and the optimizer, and small arithmetic.
+
+    python benchmarks/op_overhead.py [--number 500] [--out DIR] [--name NAME]
+
+Each figure is the median over 7 repeats of `number` calls, the device synchronized at the end
+of each repeat (so a figure is the host's cost per call where the op is small, and the device's
+where it is not). Ratios: bridge / raw JAX (goal: at most 2x) and bridge / torch. Loop-level
+rows (zero_grad, a scheduler step, an accuracy computation) have no single JAX op: they are
+compared with torch only. Writes <out>/<name>.{md,json}.
+"""
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def per_call_us(function, sync, number, repeat=7):
+    for _ in range(3):
+        function()  # warm: compiles, caches
+    sync()
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            result = function()
+        sync(result)
+        samples.append((time.perf_counter() - start) / number * 1e6)
+    return statistics.median(samples)
+
+
+def torch_cases(torch, device):
+    """name -> (setup() -> state, call(state) -> result). The same code serves native torch and
+    the bridge (whose device name is `cuda` too)."""
+    F = torch.nn.functional
+
+    def tensors(*shapes):
+        generator = torch.Generator().manual_seed(0)
+        return [torch.randn(*shape, generator=generator).to(device) for shape in shapes]
+
+    def model_and_optimizer():
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(10)]).to(device)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        return model, optimizer
+
+    def scheduler():
+        _, optimizer = model_and_optimizer()
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 1000)
+
+    def accuracy_inputs():
+        logits, = tensors((64, 1000))
+        target = torch.randint(0, 1000, (64,), generator=torch.Generator().manual_seed(1)).to(device)
+        return logits, target
+
+    def accuracy(state):
+        # pytorch/examples imagenet's accuracy(): top-5, then each k's correct count
+        logits, target = state
+        _, pred = logits.topk(5, 1, True, True)
+        correct = pred.t().eq(target.view(1, -1).expand_as(pred.t()))
+        return [correct[:k].reshape(-1).float().sum(0, keepdim=True).mul_(100.0 / 64) for k in (1, 5)]
+
+    return {
+        "add 64x64": (lambda: tensors((64, 64), (64, 64)), lambda s: torch.add(s[0], s[1])),
+        "a + b 64x64": (lambda: tensors((64, 64), (64, 64)), lambda s: s[0] + s[1]),
+        "mul by scalar 64x64": (lambda: tensors((64, 64)), lambda s: s[0] * 0.5),
+        "add_ in place 64x64": (lambda: tensors((64, 64), (64, 64)), lambda s: s[0].add_(s[1], alpha=0.01)),
+        "mm 64x64": (lambda: tensors((64, 64), (64, 64)), lambda s: s[0] @ s[1]),
+        "mm 1024x1024": (lambda: tensors((1024, 1024), (1024, 1024)), lambda s: s[0] @ s[1]),
+        "sum 64x1000": (lambda: tensors((64, 1000)), lambda s: s[0].sum()),
+        "mean over dim 64x1000": (lambda: tensors((64, 1000)), lambda s: s[0].mean(1)),
+        "softmax 64x1000": (lambda: tensors((64, 1000)), lambda s: F.softmax(s[0], dim=-1)),
+        "relu 64x1000": (lambda: tensors((64, 1000)), lambda s: F.relu(s[0])),
+        "cross_entropy 64x1000": (accuracy_inputs, lambda s: F.cross_entropy(s[0], s[1])),
+        "topk 5 of 64x1000": (lambda: tensors((64, 1000)), lambda s: s[0].topk(5, 1)[1]),
+        "argmax 64x1000": (lambda: tensors((64, 1000)), lambda s: s[0].argmax(1)),
+        "eq + sum 64": (accuracy_inputs, lambda s: s[0].argmax(1).eq(s[1]).sum()),
+        "slice x[:, 0]": (lambda: tensors((64, 64)), lambda s: s[0][:, 0]),
+        "view": (lambda: tensors((64, 64)), lambda s: s[0].view(4096)),
+        "to bfloat16": (lambda: tensors((64, 64)), lambda s: s[0].to(torch.bfloat16)),
+        "cat of two": (lambda: tensors((64, 64), (64, 64)), lambda s: torch.cat([s[0], s[1]])),
+        "where": (lambda: tensors((64, 64), (64, 64)), lambda s: torch.where(s[0] > 0, s[0], s[1])),
+        "item of a sum": (lambda: tensors((64, 64)), lambda s: s[0].sum().item()),
+        # loop-level work, torch only
+        "accuracy top-1/top-5 (imagenet)": (accuracy_inputs, accuracy),
+        "zero_grad(set_to_none=True), 20 params": (model_and_optimizer, lambda s: s[1].zero_grad(set_to_none=True)),
+        "lr scheduler step": (scheduler, lambda s: s.step()),
+    }
+
+
+def jax_cases(jax, jnp):
+    """name -> (setup() -> arrays, jitted call). The same ops as jitted programs."""
+    from jax import lax
+
+    def arrays(*shapes):
+        key = jax.random.PRNGKey(0)
+        return [jax.random.normal(jax.random.fold_in(key, i), shape) for i, shape in enumerate(shapes)]
+
+    def labels():
+        return arrays((64, 1000))[0], jax.random.randint(jax.random.PRNGKey(1), (64,), 0, 1000)
+
+    jit = jax.jit
+    greater, where, argmax, equal, total = jit(lambda a: a > 0), jit(jnp.where), jit(lambda a: a.argmax(1)), jit(jnp.equal), jit(jnp.sum)
+    log_softmax = jit(lambda a: jax.nn.log_softmax(a, axis=-1))
+    nll = jit(lambda logp, t: -jnp.mean(jnp.take_along_axis(logp, t[:, None], axis=1)))
+    # torch runs these as several ops (where: gt, then where; cross_entropy: log_softmax, then
+    # nll_loss): JAX runs as many programs, one per op.
+    return {
+        "add 64x64": (lambda: arrays((64, 64), (64, 64)), jit(jnp.add)),
+        "a + b 64x64": (lambda: arrays((64, 64), (64, 64)), jit(lambda a, b: a + b)),
+        "mul by scalar 64x64": (lambda: arrays((64, 64)), jit(lambda a: a * 0.5)),
+        "add_ in place 64x64": (lambda: arrays((64, 64), (64, 64)), jit(lambda a, b: a + 0.01 * b)),
+        "mm 64x64": (lambda: arrays((64, 64), (64, 64)), jit(lambda a, b: jnp.matmul(a, b, precision="highest"))),
+        "mm 1024x1024": (lambda: arrays((1024, 1024), (1024, 1024)), jit(lambda a, b: jnp.matmul(a, b, precision="highest"))),
+        "sum 64x1000": (lambda: arrays((64, 1000)), jit(jnp.sum)),
+        "mean over dim 64x1000": (lambda: arrays((64, 1000)), jit(lambda a: a.mean(1))),
+        "softmax 64x1000": (lambda: arrays((64, 1000)), jit(lambda a: jax.nn.softmax(a, axis=-1))),
+        "relu 64x1000": (lambda: arrays((64, 1000)), jit(jax.nn.relu)),
+        "cross_entropy 64x1000": (labels, lambda a, t: nll(log_softmax(a), t)),
+        "topk 5 of 64x1000": (lambda: arrays((64, 1000)), jit(lambda a: lax.top_k(a, 5)[1])),
+        "argmax 64x1000": (lambda: arrays((64, 1000)), jit(lambda a: a.argmax(1))),
+        "eq + sum 64": (labels, lambda a, t: total(equal(argmax(a), t))),
+        "slice x[:, 0]": (lambda: arrays((64, 64)), jit(lambda a: a[:, 0])),
+        "view": (lambda: arrays((64, 64)), jit(lambda a: a.reshape(4096))),
+        "to bfloat16": (lambda: arrays((64, 64)), jit(lambda a: a.astype(jnp.bfloat16))),
+        "cat of two": (lambda: arrays((64, 64), (64, 64)), jit(lambda a, b: jnp.concatenate([a, b]))),
+        "where": (lambda: arrays((64, 64), (64, 64)), lambda a, b: where(greater(a), a, b)),
+        "item of a sum": (lambda: arrays((64, 64)), lambda a: float(_jit_sum(a))),
+    }
+
+
+_jit_sum = None
+
+
+def _versions(torch, jax):
+    found = {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(), "torch": torch.__version__, "jax": jax.__version__, "backend": jax.default_backend()}
+    try:
+        found["gpu"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        found["gpu"] = "none"
+    return found
+
+
+def main(argv=None):
+    global _jit_sum
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--number", type=int, default=500)
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--name", default="op_overhead")
+    options = parser.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    _jit_sum = jax.jit(jnp.sum)
+    native = "cuda" if torch.cuda.is_available() else "cpu"
+    if native == "cpu":
+        torch.set_num_threads(1)
+    results = {}
+
+    def sync_torch(result=None):
+        if native == "cuda":
+            torch.cuda.synchronize()
+
+    for name, (setup, call) in torch_cases(torch, native).items():
+        state = setup()
+        results.setdefault(name, {})["torch"] = per_call_us(lambda: call(state), sync_torch, options.number)
+        print(f"torch {name}: {results[name]['torch']:.1f} us", flush=True)
+
+    def sync_jax(result=None):
+        if result is not None:
+            jax.block_until_ready(result)
+
+    for name, (setup, call) in jax_cases(jax, jnp).items():
+        arrays = setup()
+        results[name]["jax"] = per_call_us(lambda: call(*arrays), sync_jax, options.number)
+        print(f"jax {name}: {results[name]['jax']:.1f} us", flush=True)
+
+    import bridge
+    from bridge.runtime.tensor import BridgeTensor, read_value
+
+    bridge.activate(mode="eager")
+
+    def sync_bridge(result=None):
+        leaves = result if isinstance(result, (list, tuple)) else [result]
+        values = [read_value(leaf) for leaf in leaves if isinstance(leaf, BridgeTensor)]
+        if values:
+            jax.block_until_ready(values)
+        torch.cuda.synchronize()
+
+    for name, (setup, call) in torch_cases(torch, "cuda").items():
+        state = setup()
+        results[name]["bridge"] = per_call_us(lambda: call(state), sync_bridge, options.number)
+        print(f"bridge {name}: {results[name]['bridge']:.1f} us", flush=True)
+    bridge.deactivate()
+
+    versions = _versions(torch, jax)
+    rows = ["| op | bridge us | raw JAX us | torch us | bridge / JAX | bridge / torch |", "|---|---|---|---|---|---|"]
+    over = []
+    for name, figures in results.items():
+        jax_us = figures.get("jax")
+        to_jax = figures["bridge"] / jax_us if jax_us else None
+        if to_jax is not None and to_jax > 2.0:
+            over.append(name)
+        rows.append(
+            f"| {name} | {figures['bridge']:.1f} | {'-' if jax_us is None else f'{jax_us:.1f}'} | {figures['torch']:.1f} | "
+            f"{'-' if to_jax is None else f'{to_jax:.2f}'} | {figures['bridge'] / figures['torch']:.2f} |"
+        )
+    ratios = sorted(figures["bridge"] / figures["jax"] for figures in results.values() if figures.get("jax"))
+    text = (
+        f"# Eager op overhead: the bridge, raw JAX and torch ({native} torch, JAX on {versions['backend']})\n\n"
+        f"Command: `python benchmarks/op_overhead.py --number {options.number}`; generated "
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\nMachine and versions: {json.dumps(versions)}\n\n"
+        "Median microseconds a call (7 repeats; the device synchronized at the end of each repeat).\n\n"
+        + "\n".join(rows)
+        + f"\n\nbridge / raw JAX: median {statistics.median(ratios):.2f}x, largest {max(ratios):.2f}x; "
+        f"above 2x: {', '.join(over) or 'none'}.\n"
+    )
+    os.makedirs(options.out, exist_ok=True)
+    base = os.path.join(options.out, options.name)
+    with open(base + ".json", "w") as handle:
+        json.dump({"versions": versions, "number": options.number, "results": results, "above_2x": over}, handle, indent=2)
+    with open(base + ".md", "w") as handle:
+        handle.write(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
