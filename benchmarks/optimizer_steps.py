@@ -7,8 +7,9 @@ The parameters are GPT-2 small's 148 (12 layers x 768, vocab 50304; float32, 124
 fixed gradients; each case builds its optimizer, takes 3 steps (the first makes the state; the
 bridge compiles the step's program at the second), then times `--steps` steps, each followed by
 a device synchronization (`torch.cuda.synchronize()`, which the bridge maps onto JAX), and
-reports the median. The bridge's rows also say how many programs each timed step ran (one is
-the goal: the report's "optimizer step(s), each one program").
+reports the median; then `--steps` steps back to back with one synchronization ("pipelined").
+The bridge's rows also say how many programs each timed step ran (one is the goal), the host's
+time until step() returned, and a captured step's compiled program timed alone.
 
 Figures: per optimizer, torch's fastest implementation (fused where torch has it, else foreach)
 against each of the bridge's, and their ratio. Writes <out>/<name>.{md,json}.
@@ -93,25 +94,66 @@ def _measure(options):
             except RuntimeError as error:  # an implementation torch lacks on this device
                 print("RESULT " + json.dumps({**record, "error": str(error).splitlines()[0][:200]}), flush=True)
                 continue
-            times, programs = [], []
+            times, host, programs = [], [], []
             for step in range(2 + options.steps):
                 before = sum(capture.fused_steps.values()) if bridged else 0
                 torch.cuda.synchronize() if device == "cuda" else None
                 start = time.perf_counter()
                 optimizer.step()
+                returned = time.perf_counter()
                 if device == "cuda":
                     torch.cuda.synchronize()
                 if step >= 2:
                     times.append((time.perf_counter() - start) * 1e3)
+                    host.append((returned - start) * 1e3)
                     programs.append(sum(capture.fused_steps.values()) - before if bridged else None)
+            # Steps back to back, one synchronization at the end: the rate a training loop sees
+            # when the host runs ahead.
+            start = time.perf_counter()
+            for _ in range(options.steps):
+                optimizer.step()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            pipelined = (time.perf_counter() - start) * 1e3 / options.steps
             record.update({
                 "ms": round(statistics.median(times), 3),
                 "spread": [round(min(times), 3), round(max(times), 3)],
                 "programs_per_step": programs[-1] if bridged else None,
+                "host_ms": round(statistics.median(host), 3),  # until step() returned
+                "pipelined_ms": round(pipelined, 3),
+                "program_ms": _program_ms(optimizer) if bridged else None,
             })
             print("RESULT " + json.dumps(record), flush=True)
             del optimizer
             gc.collect()
+
+
+def _program_ms(optimizer):
+    """The median time of a captured step's compiled program alone (called directly on its
+    current inputs, synchronized), or None where the step is not one (Adam's, AdamW's and
+    SGD's own update programs are timed by optimizer_update.py)."""
+    import jax
+
+    from bridge.patches import optim
+    from bridge.runtime import capture, random
+
+    region = optim._step_regions.get(optimizer)
+    if region is None or not region.region.programs:
+        return None
+    program = next(iter(region.region.programs.values()))
+    if program.infer is None:
+        return None
+    roots = [capture.read_value(root) for root in program.roots]
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+    inputs = [capture.read_value(grad) for grad in grads if grad is not None][: len(program.tensor_positions)]
+    if len(inputs) != len(program.tensor_positions):
+        return None
+    times = []
+    for _ in range(10):
+        start = time.perf_counter()
+        jax.block_until_ready(program.infer(roots, inputs, random.current_key()))
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(statistics.median(times), 3)
 
 
 def _versions():
@@ -163,7 +205,10 @@ def main(argv=None):
                 return record if "ms" in record else None
         return None
 
-    lines = ["| optimizer | torch fastest | torch ms | bridge implementation | bridge ms | programs a step | bridge / torch fastest |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| optimizer | torch fastest | torch ms | bridge implementation | bridge ms | programs a step | bridge / torch fastest | bridge host ms | bridge pipelined ms | its program alone ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     summary = []
     for name, _, implementations in OPTIMIZERS:
         torch_rows = [r for r in (ms("torch", name, i) for i in implementations) if r]
@@ -179,13 +224,13 @@ def main(argv=None):
             ratios.append(ratio)
             lines.append(
                 f"| {name} | {fastest['implementation']} | {fastest['ms']} | {implementation} | {row['ms']} | "
-                f"{row['programs_per_step']} | {ratio:.2f} |"
+                f"{row['programs_per_step']} | {ratio:.2f} | {row['host_ms']} | {row['pipelined_ms']} | {row['program_ms'] or '-'} |"
             )
         if ratios:
             summary.append({"optimizer": name, "torch_fastest": fastest["implementation"], "worst_ratio": round(max(ratios), 3), "best_ratio": round(min(ratios), 3)})
-    torch_table = ["| optimizer | implementation | torch ms (median) | min-max |", "|---|---|---|---|"]
+    torch_table = ["| optimizer | implementation | torch ms (median) | min-max | host ms | pipelined ms |", "|---|---|---|---|---|---|"]
     torch_table += [
-        f"| {r['optimizer']} | {r['implementation']} | {r['ms']} | {r['spread'][0]}-{r['spread'][1]} |"
+        f"| {r['optimizer']} | {r['implementation']} | {r['ms']} | {r['spread'][0]}-{r['spread'][1]} | {r['host_ms']} | {r['pipelined_ms']} |"
         if "ms" in r else f"| {r['optimizer']} | {r['implementation']} | not run: {r['error']} | |"
         for r in records if r["runtime"] == "torch"
     ]

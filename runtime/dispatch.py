@@ -617,9 +617,25 @@ def _direct_item(value):
         return None if value != value else (float, value.hex())
     if kind is int or kind is bool or value is None or kind in _STATIC_ARGUMENT_TYPES:
         return (kind, value)
-    if (kind is list or kind is tuple) and all(type(item) is int for item in value):
-        return (kind, tuple(value))  # sizes, dims
+    if kind is list or kind is tuple:
+        if all(type(item) is int for item in value):
+            return (kind, tuple(value))  # sizes, dims
+        if value and all(type(item) is BridgeTensor for item in value):
+            return (kind, tuple((item.shape, item.dtype, item._index) for item in value))  # cat's tensors
     return None
+
+
+def _direct_arrays(args):
+    """The arrays of a direct call's arguments, in the order its program takes them (a list's
+    tensors where the list stands)."""
+    arrays = []
+    for value in args:
+        kind = type(value)
+        if kind is BridgeTensor:
+            arrays.append(read_value(value))
+        elif (kind is list or kind is tuple) and value and type(value[0]) is BridgeTensor:
+            arrays.extend(read_value(item) for item in value)
+    return arrays
 
 
 def _direct_key(args, kwargs):
@@ -657,7 +673,7 @@ def _mapped_plan(func, mapping):
             known = direct.get(direct_key) if direct_key is not None else None
             if known is not None:
                 program, index = known
-                out = program([read_value(value) for value in args if type(value) is BridgeTensor])
+                out = program(_direct_arrays(args))
                 return _wrap(out, index) if type(out) in (tuple, list) else BridgeTensor(out, index)
         if settings.check_signatures:
             key = _signature(func, args, kwargs)
@@ -698,7 +714,7 @@ def _mapped_plan(func, mapping):
 
 
 def _remember_direct(direct, direct_key, args, program, index):
-    if program is None or not any(type(value) is BridgeTensor for value in args):
+    if program is None or not _direct_arrays(args):
         return
     if len(direct) >= _DIRECT_LIMIT:
         direct.clear()
