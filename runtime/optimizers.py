@@ -21,6 +21,8 @@ boundary costs the host a few microseconds in JAX and XLA's runtime; for GPT-2's
 parameters, per-parameter state made the update's call cost about as much as its kernels.
 """
 
+import contextlib
+import functools
 import math
 import weakref
 
@@ -333,6 +335,72 @@ class _Spans:
         return jax.lax.slice_in_dim(self.flat, self.start, self.start + self.size).reshape(value.shape)
 
 
+# ---------------------------------------------------------------- one step's groups, one program
+
+_RAW = {}  # kind -> (update function, positions of its state arguments): what a batch calls
+_batch = None  # the _Batch collecting the update calls of the step running now, or None
+
+
+class _Batch:
+    """The update calls of one optimizer step's parameter groups (torch calls the update once
+    per group: nanoGPT and timm split decay and no-decay parameters), run as one program when
+    the step ends."""
+
+    def __init__(self):
+        self.calls = []  # (kind, in place, arguments, static arguments, finish)
+
+    def run(self):
+        if not self.calls:
+            return
+        plan, donated, kept = [], [], []
+        for kind, in_place, args, statics, _ in self.calls:
+            positions = ((0,) if in_place else ()) + _RAW[kind][1]
+            plan.append((kind, positions, len(args), tuple(sorted(statics.items()))))
+            donated.append([arg for i, arg in enumerate(args) if i in positions])
+            kept.append([arg for i, arg in enumerate(args) if i not in positions])
+        results = _together(donated, kept, tuple(plan))
+        for (*_, finish), result in zip(self.calls, results):
+            finish(result)
+
+
+@functools.partial(jax.jit, static_argnames=("plan",), donate_argnums=(0,))
+def _together(donated, kept, plan):
+    results = []
+    for (kind, positions, count, statics), given, others in zip(plan, donated, kept):
+        given, others = iter(given), iter(others)
+        args = [next(given) if i in positions else next(others) for i in range(count)]
+        results.append(_RAW[kind][0](*args, **dict(statics)))
+    return results
+
+
+@contextlib.contextmanager
+def one_program():
+    """Within: update calls wait, and run as one program when the block ends (without error)."""
+    global _batch
+    outer, _batch = _batch, _Batch()
+    try:
+        yield _batch
+        batch, _batch = _batch, outer
+        batch.run()
+    finally:
+        _batch = outer
+
+
+def batched():
+    """The batch collecting update calls now, or None."""
+    return _batch
+
+
+def submit(kind, in_place, args, statics, finish, now=False):
+    """Run an update (`kind`: "adam" or "sgd") on `args`, handing its result to `finish`; in a
+    `one_program()` block, when the block ends (unless `now`)."""
+    if _batch is not None and not now:
+        _batch.calls.append((kind, in_place, args, statics, finish))
+        return
+    plain, with_params = _JITTED[kind]
+    finish((with_params if in_place else plain)(*args, **statics))
+
+
 def _programs(update, static, state):
     """An update's program that reuses the buffers of its state arguments (positions `state`,
     the flat moments), and one that reuses the parameters' too (`in_place`): with each
@@ -344,9 +412,11 @@ def _programs(update, static, state):
     return plain, in_place
 
 
+_RAW.update(adam=(adam_update, (2, 3, 4)), sgd=(sgd_update, (2,)))
 adam_update, adam_update_in_place = _programs(
     adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "max_norm", "norm_type"), (2, 3, 4)
 )
 sgd_update, sgd_update_in_place = _programs(
     sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "max_norm", "norm_type"), (2,)
 )
+_JITTED = {"adam": (adam_update, adam_update_in_place), "sgd": (sgd_update, sgd_update_in_place)}

@@ -173,6 +173,8 @@ class BridgeTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         # Checkpoints must load in plain torch: save as an ordinary CPU tensor (or Parameter).
+        if pickled_devices is not None:
+            pickled_devices.append(self._index)  # torch.save under the bridge counts them
         plain = _to_cpu_tensor(self)
         if getattr(self, "_is_param", False):
             plain = torch.nn.Parameter(plain, requires_grad=self.requires_grad)
@@ -470,6 +472,11 @@ def write_value(tensor, value):
 def to_numpy(tensor):
     value = np.asarray(read_value(tensor))
     return value
+
+
+# While torch.save runs under the bridge (bridge/patches/serialization.py): the device ordinals
+# of the bridge tensors pickled so far, one entry per tensor (each writes a storage of its own).
+pickled_devices = None
 
 
 def _to_cpu_tensor(tensor):

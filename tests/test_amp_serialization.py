@@ -84,6 +84,40 @@ def test_checkpoint_written_under_bridge_loads_in_plain_torch(bridged, tmp_path)
     assert result.stdout.strip() == "ok"
 
 
+def test_model_saved_on_the_bridge_loads_back_onto_it(bridged, tmp_path):
+    """pytorch/examples' word_language_model saves its whole model (on 'cuda') and loads it
+    back with a plain torch.load: as in torch, the model comes back on the device it was saved
+    from. The checkpoint still loads in plain torch, onto the CPU; a checkpoint mixing host
+    tensors in stays as torch.load gives it."""
+    model = _model().cuda()
+    path = tmp_path / "model.pt"
+    with open(path, "wb") as handle:
+        torch.save(model, handle)
+    torch.save(model.state_dict(), tmp_path / "state.pt")
+    torch.save({"model": model.state_dict(), "count": torch.tensor(3)}, tmp_path / "mixed.pt")
+    with open(path, "rb") as handle:
+        loaded = torch.load(handle, weights_only=False)
+    assert all(isinstance(p, BridgeTensor) and p.is_cuda for p in loaded.parameters())
+    x = torch.randn(2, 8, device="cuda")
+    torch.testing.assert_close(loaded(x).cpu(), model(x).cpu())
+    state = torch.load(tmp_path / "state.pt")
+    assert all(isinstance(value, BridgeTensor) for value in state.values())
+    assert type(torch.load(tmp_path / "state.pt", map_location="cpu")["0.weight"]) is torch.Tensor
+    mixed = torch.load(tmp_path / "mixed.pt")
+    assert type(mixed["count"]) is torch.Tensor and type(mixed["model"]["0.weight"]) is torch.Tensor
+    check = (
+        "import torch\n"
+        f"m = torch.load({str(path)!r}, weights_only=False)\n"
+        "assert all(type(p) is torch.nn.Parameter and p.device.type == 'cpu' for p in m.parameters())\n"
+        f"s = torch.load({str(tmp_path / 'state.pt')!r})\n"
+        "assert all(type(v) is torch.Tensor for v in s.values())\n"
+        "print('ok')\n"
+    )
+    result = run_python("-c", check)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+
+
 def test_load_with_map_location_cuda_lands_on_bridge(bridged):
     buffer = io.BytesIO()
     state = {"weight": torch.randn(3, 3), "nested": [torch.arange(4)], "step": 7}

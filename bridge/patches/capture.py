@@ -404,14 +404,8 @@ def adam(wrapped, instance, args, kwargs):
     roots.append(optimizers.flat_state(a["max_exp_avg_sqs"]) if a["amsgrad"] else None)
     clip, grad_values, clip_values, clip_statics = _clip_arguments(a["grads"])
     values = [read_value(t) for t in params]
-    update = optimizers.adam_update_in_place if held_only_by_their_tensors(params, values) else optimizers.adam_update
-    new_params, *new_flat, clip_result = update(
-        values,
-        grad_values,
-        *[None if root is None else read_value(root) for root in roots],
-        scalars,
-        *clip_values,
-        **clip_statics,
+    statics = dict(
+        clip_statics,
         beta1=beta1,
         beta2=beta2,
         eps=float(a["eps"]),
@@ -420,13 +414,19 @@ def adam(wrapped, instance, args, kwargs):
         amsgrad=bool(a["amsgrad"]),
         maximize=bool(a["maximize"]),
     )
-    _clip_done(clip, clip_result)
-    for tensor, value in zip(params, new_params):
-        write_value(tensor, value)
-    for root, value in zip(roots, new_flat):
-        if root is not None:
-            write_value(root, value)
-    capture.fused_steps["adam"] = capture.fused_steps.get("adam", 0) + 1
+
+    def finish(result):
+        new_params, *new_flat, clip_result = result
+        _clip_done(clip, clip_result)
+        for tensor, value in zip(params, new_params):
+            write_value(tensor, value)
+        for root, value in zip(roots, new_flat):
+            if root is not None:
+                write_value(root, value)
+
+    arguments = [values, grad_values, *[None if root is None else read_value(root) for root in roots], scalars, *clip_values]
+    optimizers.submit("adam", held_only_by_their_tensors(params, values), arguments, statics, finish)
+    capture.fused_steps["adam"] = capture.fused_steps.get("adam", 0) + (optimizers.batched() is None)
     return None
 
 
@@ -452,14 +452,8 @@ def sgd(wrapped, instance, args, kwargs):
     root = None if first or momentum == 0 else optimizers.flat_state(buffers)
     clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
     values = [read_value(t) for t in params]
-    update = optimizers.sgd_update_in_place if held_only_by_their_tensors(params, values) else optimizers.sgd_update
-    new_params, new_flat, clip_result = update(
-        values,
-        grad_values,
-        None if root is None else read_value(root),
-        np.array(a["lr"], dtype=np.float32 if dtype == torch.float32 else np.float64),
-        *clip_values,
-        **clip_statics,
+    statics = dict(
+        clip_statics,
         momentum=momentum,
         dampening=float(a["dampening"]),
         weight_decay=float(a["weight_decay"]),
@@ -467,15 +461,25 @@ def sgd(wrapped, instance, args, kwargs):
         maximize=bool(a["maximize"]),
         first=first and momentum != 0,
     )
-    _clip_done(clip, clip_result)
-    for tensor, value in zip(params, new_params):
-        write_value(tensor, value)
-    if momentum != 0:
-        if first:  # torch: a copy of each gradient; here views into one flat root
-            buffers[:] = optimizers.flat_members(new_flat, params)
-        else:
-            write_value(root, new_flat)
-    capture.fused_steps["sgd"] = capture.fused_steps.get("sgd", 0) + 1
+
+    def finish(result):
+        new_params, new_flat, clip_result = result
+        _clip_done(clip, clip_result)
+        for tensor, value in zip(params, new_params):
+            write_value(tensor, value)
+        if momentum != 0:
+            if first:  # torch: a copy of each gradient; here views into one flat root
+                buffers[:] = optimizers.flat_members(new_flat, params)
+            else:
+                write_value(root, new_flat)
+
+    lr = np.array(a["lr"], dtype=np.float32 if dtype == torch.float32 else np.float64)
+    arguments = [values, grad_values, None if root is None else read_value(root), lr, *clip_values]
+    # The first step's buffers are new tensors torch puts in the state right after this call:
+    # that update runs now, not with the step's other groups.
+    now = first and momentum != 0
+    optimizers.submit("sgd", held_only_by_their_tensors(params, values), arguments, statics, finish, now=now)
+    capture.fused_steps["sgd"] = capture.fused_steps.get("sgd", 0) + (now or optimizers.batched() is None)
     return None
 
 

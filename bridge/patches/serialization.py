@@ -1,19 +1,93 @@
 """Serialization: `torch.load` onto the bridge device.
 
-`torch.save` needs no patch: bridge tensors pickle as ordinary CPU tensors
-(`BridgeTensor.__reduce_ex__`), so checkpoints load without the bridge.
+Bridge tensors pickle as ordinary CPU tensors (`BridgeTensor.__reduce_ex__`), so
+checkpoints load without the bridge. `torch.save` of an object whose tensors all
+live on the bridge (a model moved to 'cuda', its state_dict, an optimizer's)
+also records the device in one extra entry of the archive, which torch ignores:
+loaded under the bridge without a `map_location`, those tensors come back where
+the script saved them, as torch's own checkpoint of a GPU model does.
+
 `torch.load` keeps torch's own unpickler and `weights_only` checks; only where
-the tensors land changes: storages meant for 'cuda' (by `map_location`, or by
-the location recorded in a checkpoint written on a GPU machine) are restored
-on the CPU and the tensors built on them are moved to the bridge device.
+the tensors land changes: storages meant for 'cuda' (by `map_location`, by the
+location recorded in a checkpoint written on a GPU machine, or by the bridge's
+entry) are restored on the CPU and the tensors built on them are moved to the
+bridge device.
 """
 
+import io
+import os
+import zipfile
+
 import torch
+import wrapt
 
 from bridge.runtime import devices
+from bridge.runtime import tensor as tensor_module
 from bridge.runtime.tensor import to_bridge
 
 from . import collect, wrap
+
+# The archive entry naming the bridge device of a checkpoint whose tensors were all on it.
+DEVICE_RECORD = "bridge_device"
+
+
+class _CountingWriter(wrapt.ObjectProxy):
+    """torch's zip writer, counting the storages it writes."""
+
+    def __init__(self, writer):
+        super().__init__(writer)
+        self._self_storages = 0
+
+    def write_record(self, name, *args, **kwargs):
+        if name.startswith("data/"):
+            self._self_storages += 1
+        return self.__wrapped__.write_record(name, *args, **kwargs)
+
+    def write_record_metadata(self, name, *args, **kwargs):
+        if name.startswith("data/"):
+            self._self_storages += 1
+        return self.__wrapped__.write_record_metadata(name, *args, **kwargs)
+
+
+@wrap(torch.serialization, "_save")
+def save(wrapped, instance, args, kwargs):
+    obj, zip_file, *rest = args
+    outer, tensor_module.pickled_devices = tensor_module.pickled_devices, []
+    counting = _CountingWriter(zip_file)
+    try:
+        result = wrapped(obj, counting, *rest, **kwargs)
+        pickled = tensor_module.pickled_devices
+    finally:
+        tensor_module.pickled_devices = outer
+    if pickled and len(pickled) == counting._self_storages and len(set(pickled)) == 1:
+        record = str(pickled[0]).encode()
+        zip_file.write_record(DEVICE_RECORD, record, len(record))
+    return result
+
+
+def _saved_device(source):
+    """The bridge ordinal a checkpoint written under the bridge recorded, or None."""
+    try:
+        if isinstance(source, (str, os.PathLike)):
+            with zipfile.ZipFile(source) as archive:
+                return _device_entry(archive)
+        if hasattr(source, "seek") and hasattr(source, "tell"):
+            position = source.tell()
+            try:
+                with zipfile.ZipFile(source) as archive:
+                    return _device_entry(archive)
+            finally:
+                source.seek(position)
+    except (zipfile.BadZipFile, OSError, ValueError, io.UnsupportedOperation):
+        return None
+    return None
+
+
+def _device_entry(archive):
+    for name in archive.namelist():
+        if name.rsplit("/", 1)[-1] == DEVICE_RECORD:
+            return int(archive.read(name).decode())
+    return None
 
 
 def _bridge_target(map_location):
@@ -33,6 +107,8 @@ def load(wrapped, instance, args, kwargs):
     if callable(map_location) and not isinstance(map_location, torch.device):
         return wrapped(*args, map_location=map_location, **kwargs)
     everything_to = _bridge_target(map_location)
+    if map_location is None and args:
+        everything_to = _saved_device(args[0])
     moved = {}  # storage data pointer -> bridge ordinal
 
     def restore(storage, location):
