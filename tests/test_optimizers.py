@@ -297,3 +297,29 @@ def test_clip_then_step_of_several_groups(captured, make):
     # the clip ran in the step's program (the first step's clip, before any state, on its own)
     assert len([record for record in capture.compiles if record.region == "clip_grad_norm_"]) <= 1
     assert not capture.breaks
+
+
+@pytest.mark.parametrize("name", ["LBFGS", "Adafactor"])
+def test_steps_that_cannot_be_one_program_match_torch(captured, name):
+    """LBFGS re-runs the model in its closure (the closure's modules are captured, the step's
+    arithmetic runs op by op); torch's Adafactor counts its step in a Python number (its step
+    runs as torch runs it). Both give torch's parameters."""
+    results = []
+    for device in ("cpu", "cuda"):
+        torch.manual_seed(0)
+        net = Net().to(device) if device != "cpu" else Net()
+        optimizer = O.LBFGS(net.parameters(), lr=0.5, max_iter=4) if name == "LBFGS" else O.Adafactor(net.parameters(), lr=1e-2)
+        data = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            x = torch.randn(8, 6, generator=data).to(device)
+
+            def closure():
+                optimizer.zero_grad()
+                loss = net(x).square().mean()
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+        results.append([p.detach().cpu() for p in net.parameters()])
+    for p_ref, p in zip(*results):
+        torch.testing.assert_close(p, p_ref, rtol=2e-5, atol=1e-6)

@@ -299,7 +299,7 @@ def _own_program_serves(optimizer):
     Several groups (nanoGPT's and timm's decay / no-decay split) run their update programs as one
     (captured_step). Captured whole instead, GPT-2's AdamW step traced through torch's own code
     compiled in 66 s and ran slower (nanoGPT bench.py 30.3 ms against 28.4 under torch.compile
-    on an H100; results/real_programs_h100_2026-11-26_pm.md)."""
+    on an H100; results/real_programs_h100_2026-11-26_whole_step.md)."""
     if type(optimizer) not in _OWN_PROGRAMS or getattr(optimizer, "grad_scale", None) is not None:
         return False
     for group in optimizer.param_groups:
