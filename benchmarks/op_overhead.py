@@ -120,7 +120,7 @@ def jax_cases(jax, jnp):
         "add 64x64": (lambda: arrays((64, 64), (64, 64)), jit(jnp.add)),
         "a + b 64x64": (lambda: arrays((64, 64), (64, 64)), jit(lambda a, b: a + b)),
         "mul by scalar 64x64": (lambda: arrays((64, 64)), jit(lambda a: a * 0.5)),
-        "add_ in place 64x64": (lambda: arrays((64, 64), (64, 64)), jit(lambda a, b: a + 0.01 * b)),
+        "add_ in place 64x64": (lambda: arrays((64, 64), (64, 64)), _chained(jit(lambda a, b: a + 0.01 * b))),
         "mm 64x64": (lambda: arrays((64, 64), (64, 64)), jit(lambda a, b: jnp.matmul(a, b, precision="highest"))),
         "mm 1024x1024": (lambda: arrays((1024, 1024), (1024, 1024)), jit(lambda a, b: jnp.matmul(a, b, precision="highest"))),
         "sum 64x1000": (lambda: arrays((64, 1000)), jit(jnp.sum)),
@@ -141,6 +141,18 @@ def jax_cases(jax, jnp):
 
 
 _jit_sum = None
+
+
+def _chained(update):
+    """An in-place update as JAX writes one: each call takes the previous call's result (a chain
+    of dependent calls, as `x.add_(...)` repeated makes on the bridge)."""
+    last = {}
+
+    def call(a, b):
+        last["a"] = update(last.get("a", a), b)
+        return last["a"]
+
+    return call
 
 
 def _versions(torch, jax):
