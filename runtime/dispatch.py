@@ -640,9 +640,9 @@ def _direct_arrays(args):
 
 def _direct_key(args, kwargs):
     """What decides the program and the result's device for these arguments: bridge tensors'
-    shapes, dtypes and devices, scalars exactly (-0.0 is not 0.0), sizes and dtypes; None where
-    an argument is something else (a list of tensors, a plain tensor, a tensor passed by
-    keyword) or a NaN."""
+    shapes, dtypes and devices (a list's too), scalars exactly (-0.0 is not 0.0), sizes and
+    dtypes; None where an argument is something else (a plain tensor, a mixed list), a NaN, or
+    a tensor passed by keyword (the program takes the positional ones' arrays only)."""
     key = []
     for value in args:
         item = _direct_item(value)
@@ -651,7 +651,7 @@ def _direct_key(args, kwargs):
         key.append(item)
     for name, value in kwargs.items():
         item = _direct_item(value)
-        if item is None or type(value) is BridgeTensor:
+        if item is None or type(value) is BridgeTensor or (type(value) in (list, tuple) and value and type(value[0]) is BridgeTensor):
             return None
         key.append((name, item))
     return tuple(key)

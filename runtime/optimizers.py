@@ -8,6 +8,9 @@ corrections) are computed on the host in Python floats exactly as torch computes
 passed in as arrays, so a learning-rate schedule never recompiles; the remaining
 hyperparameters are part of the program's static key.
 
+torch calls the update once per parameter group; a step's groups wait for the step's end and run
+as one program (`one_program`, `submit`), so a step is one program however many groups it has.
+
 A `clip_grad_norm_` just before the step is folded into it (`PendingClip`): the clip waits
 until the optimizer takes the gradients, and the update program computes the norm, the
 coefficient and the scaled gradients itself, as torch's clip does. That saves a program call
