@@ -2,7 +2,7 @@
 
 Bridge tensors pickle as ordinary CPU tensors (`BridgeTensor.__reduce_ex__`), so
 checkpoints load without the bridge. `torch.save` of an object whose tensors all
-live on the bridge (a model moved to 'cuda', its state_dict, an optimizer's)
+live on the bridge (a model moved to 'cuda', its state_dict)
 also records the device in one extra entry of the archive, which torch ignores:
 loaded under the bridge without a `map_location`, those tensors come back where
 the script saved them, as torch's own checkpoint of a GPU model does.
