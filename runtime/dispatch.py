@@ -710,6 +710,7 @@ def _mapped_plan(func, mapping):
             _remember_direct(direct, direct_key, args, call.variant(values, keywords), index)
         return _wrap(out, index)
 
+    run.direct, run.entry = direct, call  # for the in-place forms derived from this op
     return run
 
 
@@ -835,12 +836,24 @@ def _with_defaults(schema, args, kwargs):
 
 
 def _inplace_plan(func, functional):
-    """`foo_(self, ...)`: run the functional `foo`, write its outputs into the written arguments."""
+    """`foo_(self, ...)`: run the functional `foo`, write its outputs into the written arguments.
+
+    `self.add_(other)` repeating an earlier call's shapes, dtypes and scalars, whose result
+    needed no cast or broadcast to be written, runs the functional op's compiled program and
+    writes `self` without the checks and wrappers of the general path (`fast`)."""
     written = _written_arguments(func._schema)
     returns = len(func._schema.returns)
     same_overload = func._overloadname == functional._overloadname
+    fast = {} if same_overload and [position for position, _ in written] == [0] and returns == 1 else None
 
     def run(args, kwargs):
+        key = None
+        if fast is not None and settings.compile_ops and not settings.tracing and type(args[0]) is BridgeTensor:
+            key = _direct_key(args, kwargs)
+            known = fast.get(key) if key is not None else None
+            if known is not None and (not known[1].reads_precision or known[2] == config.precision_settings()):
+                write_value(args[0], known[0](_direct_arrays(args)))
+                return args[0]
         _precheck(func, args, kwargs)
         if not same_overload:
             args, kwargs = _with_defaults(func._schema, args, kwargs)
@@ -848,11 +861,31 @@ def _inplace_plan(func, functional):
         results = [result] if len(written) == 1 else list(result)
         for (position, name), value in zip(written, results):
             _write_into(_argument(args, kwargs, position, name), value)
+        if key is not None:
+            _remember_inplace(fast, key, functional, args, kwargs, result)
         if returns == 0:
             return None
         return args[0]
 
     return run
+
+
+def _remember_inplace(fast, key, functional, args, kwargs, result):
+    """After a general in-place call: the functional op's program, if its result could be written
+    into `self` as it was (same dtype and shape)."""
+    plan = _plans.get(functional)
+    direct = getattr(plan, "direct", None)
+    target = args[0]
+    if direct is None or type(result) is not BridgeTensor or result.dtype != target.dtype or result.shape != target.shape:
+        return
+    entry = plan.entry
+    precision = config.precision_settings() if entry.reads_precision else None
+    known = direct.get(key + ((precision,) if precision is not None else ()))
+    if known is None or known[1] != target._index:
+        return
+    if len(fast) >= _DIRECT_LIMIT:
+        fast.clear()
+    fast[key] = (known[0], entry, precision)
 
 
 def _changes_shape_in_place(func):
