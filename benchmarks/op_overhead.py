@@ -15,14 +15,15 @@ compared with torch only. Writes <out>/<name>.{md,json}.
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+import machine  # noqa: E402
 
 
 def per_call_us(function, sync, number, repeat=7):
@@ -155,17 +156,6 @@ def _chained(update):
     return call
 
 
-def _versions(torch, jax):
-    found = {"python": platform.python_version(), "machine": platform.machine(), "cpu_count": os.cpu_count(), "torch": torch.__version__, "jax": jax.__version__, "backend": jax.default_backend()}
-    try:
-        found["gpu"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        found["gpu"] = "none"
-    return found
-
-
 def main(argv=None):
     global _jit_sum
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -220,7 +210,7 @@ def main(argv=None):
         print(f"bridge {name}: {results[name]['bridge']:.1f} us", flush=True)
     bridge.deactivate()
 
-    versions = _versions(torch, jax)
+    versions = dict(machine.versions(), backend=jax.default_backend())
     rows = ["| op | bridge us | raw JAX us | torch us | bridge / JAX | bridge / torch |", "|---|---|---|---|---|---|"]
     over = []
     for name, figures in results.items():

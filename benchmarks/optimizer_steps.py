@@ -19,7 +19,6 @@ import argparse
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,6 +27,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
+
+import machine  # noqa: E402
 
 # (name, constructor keyword arguments, implementations torch offers on a GPU)
 OPTIMIZERS = [
@@ -156,20 +157,6 @@ def _program_ms(optimizer):
     return round(statistics.median(times), 3)
 
 
-def _versions():
-    import jax
-    import torch
-
-    found = {"python": platform.python_version(), "torch": torch.__version__, "jax": jax.__version__}
-    try:
-        found["gpu"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        found["gpu"] = "none"
-    return found
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true", help="GPT-2 tiny's parameters (a CPU smoke run)")
@@ -234,7 +221,7 @@ def main(argv=None):
         if "ms" in r else f"| {r['optimizer']} | {r['implementation']} | not run: {r['error']} | |"
         for r in records if r["runtime"] == "torch"
     ]
-    versions = _versions()
+    versions = machine.versions()
     command = "python benchmarks/optimizer_steps.py" + (" --tiny" if options.tiny else "") + (f" --only {options.only}" if options.only else "")
     text = (
         f"# Optimizer steps: torch and the bridge on GPT-2 {'tiny' if options.tiny else 'small'}'s parameters\n\n"

@@ -33,7 +33,6 @@ Writes <out>/real_programs.md and .json: per program and case the figure, and th
 import argparse
 import json
 import os
-import platform
 import random
 import re
 import shutil
@@ -44,6 +43,9 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+import machine  # noqa: E402
 
 
 def _env(extra=None):
@@ -107,13 +109,18 @@ def nanogpt_bench(checkout, scratch, timeout):
     return cases
 
 
-def hf_trainer(scratch, timeout):
-    script = os.path.join(HERE, "programs", "hf_trainer_gpt2.py")
+def _script_cases(script, cases_run, scratch, timeout, cache):
+    """Run one of benchmarks/programs' scripts per case (torch eager, torch.compile through its
+    `--compile` flag, the bridge); each prints `RESULT {json}`."""
+    script = os.path.join(HERE, "programs", script)
+    commands = {
+        "torch": ([sys.executable, script], None),
+        "torch-compile": ([sys.executable, script, "--compile"], None),
+        "bridge": _bridge([script], os.path.join(scratch, cache)),
+    }
     cases = {}
-    for case, command, env in (
-        ("torch", [sys.executable, script], None),
-        ("bridge", *_bridge([script], os.path.join(scratch, "cache-hf"))),
-    ):
+    for case in cases_run:
+        command, env = commands[case]
         output, seconds, timed_out = _run(command, scratch, timeout, env)
         result = re.findall(r"RESULT (\{.*\})", output)
         cases[case] = {
@@ -124,26 +131,14 @@ def hf_trainer(scratch, timeout):
             "tail": output[-1500:],
         }
     return cases
+
+
+def hf_trainer(scratch, timeout):
+    return _script_cases("hf_trainer_gpt2.py", ("torch", "bridge"), scratch, timeout, "cache-hf")
 
 
 def timm_train(scratch, timeout):
-    script = os.path.join(HERE, "programs", "timm_train.py")
-    cases = {}
-    for case, command, env in (
-        ("torch", [sys.executable, script], None),
-        ("torch-compile", [sys.executable, script, "--compile"], None),
-        ("bridge", *_bridge([script], os.path.join(scratch, "cache-timm"))),
-    ):
-        output, seconds, timed_out = _run(command, scratch, timeout, env)
-        result = re.findall(r"RESULT (\{.*\})", output)
-        cases[case] = {
-            **(json.loads(result[-1]) if result else {}),
-            "wall_seconds": round(seconds, 1),
-            "timed_out": timed_out,
-            "bridge_summary": _summary_lines(output),
-            "tail": output[-1500:],
-        }
-    return cases
+    return _script_cases("timm_train.py", ("torch", "torch-compile", "bridge"), scratch, timeout, "cache-timm")
 
 
 def imagenet(checkout, scratch, seconds):
@@ -204,24 +199,6 @@ def word_lm(checkout, scratch, seconds):
             "tail": output[-1500:],
         }
     return cases
-
-
-def _versions():
-    import torch
-
-    found = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("jax", "jaxlib", "transformers", "torchvision"):
-        try:
-            found[name] = __import__(name).__version__
-        except ImportError:
-            pass
-    try:
-        found["gpu"] = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"], capture_output=True, text=True
-        ).stdout.strip()
-    except OSError:
-        found["gpu"] = "none"
-    return found
 
 
 def _ratio(numerator, denominator):
@@ -288,7 +265,7 @@ def main():
             results[program] = word_lm(options.examples, scratch, options.window)
         else:
             parser.error(f"unknown program {program}")
-        report(results, _versions(), options.out)  # after each program: a cut-off run keeps what it measured
+        report(results, machine.versions("transformers", "torchvision", "timm"), options.out)  # after each program: a cut-off run keeps what it measured
 
 
 if __name__ == "__main__":
