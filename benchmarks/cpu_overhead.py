@@ -19,6 +19,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 
+import machine  # noqa: E402
+
 
 def per_call_us(function, number=2000, repeat=7):
     function()  # warm: compiles, caches
@@ -158,19 +160,13 @@ def main(argv=None):
         "jax": jax.__version__,
         "numpy": np.__version__,
     }
-    os.makedirs(options.out, exist_ok=True)
-    base = os.path.join(options.out, options.name)
-    with open(base + ".json", "w") as handle:
-        json.dump({"machine": info, "rows": rows, "ratios": ratios}, handle, indent=2)
     table = "\n".join(f"| {r['measure']} | {r['value']} {r['unit']} |" for r in rows)
     text = (
         f"# {options.name}\n\nCommand: `python benchmarks/cpu_overhead.py`; generated "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; torch threads 1.\n\nMachine: {json.dumps(info)}\n\n"
         f"| measure | median |\n|---|---|\n{table}\n\n## Ratios (same run)\n\n" + "\n".join(ratios) + "\n"
     )
-    with open(base + ".md", "w") as handle:
-        handle.write(text)
-    print(text)
+    machine.write_results(options.out, options.name, {"machine": info, "rows": rows, "ratios": ratios}, text)
     return 0
 
 

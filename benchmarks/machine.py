@@ -1,5 +1,6 @@
-"""The machine and library versions a benchmark's results file records."""
+"""The machine and library versions a benchmark's results file records, and the file itself."""
 
+import json
 import os
 import platform
 import subprocess
@@ -21,3 +22,14 @@ def versions(*modules):
     except OSError:
         found["gpu"] = "none"
     return found
+
+
+def write_results(out, name, data, text):
+    """<out>/<name>.json (the data) and <out>/<name>.md (the text); the text is printed too."""
+    os.makedirs(out, exist_ok=True)
+    base = os.path.join(out, name)
+    with open(base + ".json", "w") as handle:
+        json.dump(data, handle, indent=2)
+    with open(base + ".md", "w") as handle:
+        handle.write(text)
+    print(text)

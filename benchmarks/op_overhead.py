@@ -232,13 +232,7 @@ def main(argv=None):
         + f"\n\nbridge / raw JAX: median {statistics.median(ratios):.2f}x, largest {max(ratios):.2f}x; "
         f"above 2x: {', '.join(over) or 'none'}.\n"
     )
-    os.makedirs(options.out, exist_ok=True)
-    base = os.path.join(options.out, options.name)
-    with open(base + ".json", "w") as handle:
-        json.dump({"versions": versions, "number": options.number, "results": results, "above_2x": over}, handle, indent=2)
-    with open(base + ".md", "w") as handle:
-        handle.write(text)
-    print(text)
+    machine.write_results(options.out, options.name, {"versions": versions, "number": options.number, "results": results, "above_2x": over}, text)
     return 0
 
 

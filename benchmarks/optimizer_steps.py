@@ -231,13 +231,7 @@ def main(argv=None):
         f"{options.steps} steps after 3. Each bridge implementation against torch's fastest for that optimizer:\n\n"
         + "\n".join(lines) + "\n\n## torch, every implementation\n\n" + "\n".join(torch_table) + "\n"
     )
-    os.makedirs(options.out, exist_ok=True)
-    base = os.path.join(options.out, options.name)
-    with open(base + ".json", "w") as handle:
-        json.dump({"versions": versions, "command": command, "records": records, "summary": summary, "logs": logs}, handle, indent=2)
-    with open(base + ".md", "w") as handle:
-        handle.write(text)
-    print(text)
+    machine.write_results(options.out, options.name, {"versions": versions, "command": command, "records": records, "summary": summary, "logs": logs}, text)
     return 0
 
 
