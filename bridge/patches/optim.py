@@ -312,9 +312,8 @@ def _own_program_serves(optimizer):
 
 
 def _capturable_step(optimizer, args, kwargs):
-    """Whether this call of optimizer.step can run as a captured program."""
-    if not settings.capture or settings.tracing or _own_program_serves(optimizer):
-        return False
+    """Whether this call of optimizer.step can run as a captured program (one that Adam's, AdamW's
+    or SGD's own update programs do not serve: checked first)."""
     if args or kwargs.get("closure") is not None:
         return False  # a closure (LBFGS) re-evaluates the model inside the step
     if getattr(optimizer, "defaults", {}).get("differentiable"):
@@ -332,11 +331,13 @@ def _wrap_step(step):
 
     @functools.wraps(step)
     def captured_step(self, *args, **kwargs):
-        if not _capturable_step(self, args, kwargs):
+        active = settings.capture and not settings.tracing
+        own = active and _own_program_serves(self)
+        if not active or own or not _capturable_step(self, args, kwargs):
             region = _step_regions.get(self)
             if region is not None:
                 region.finish_copy()
-            if len(self.param_groups) > 1 and settings.capture and not settings.tracing and _own_program_serves(self):
+            if own and len(self.param_groups) > 1:
                 # The groups' update programs run as one (runtime.optimizers.one_program).
                 with optimizers.one_program() as batch:
                     result = step(self, *args, **kwargs)
