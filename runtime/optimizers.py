@@ -115,10 +115,12 @@ def device_step_counts(steps):
     else:
         counts = [float(count) for count in np.asarray(read_value(root))]
     counts = [count + 1 for count in counts]
-    value = read_value(root)
-    write_value(root, jax.device_put(np.asarray(counts, dtype=value.dtype), next(iter(value.devices()))))
+    write_value(root, _advance(read_value(root)))
     root._host_counts = (root._generation, counts)
     return counts
+
+
+_advance = jax.jit(lambda counts: counts + 1)  # one dispatch: no host-to-device copy
 
 
 # ---------------------------------------------------------------- clip_grad_norm_ folded into the step

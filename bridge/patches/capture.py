@@ -12,6 +12,7 @@
 Everything here is inert in eager mode (`--mode eager`, BRIDGE_MODE=eager).
 """
 
+import contextlib
 import functools
 import importlib
 import inspect
@@ -331,6 +332,32 @@ def _clip_done(clip, result):
 
 
 # ---------------------------------------------------------------- optimizers
+#
+# torch's Adam, AdamW and SGD call their functional update once per parameter group; the patches
+# below check what torch hands in and, where the update can be one program, make it a
+# _GroupUpdate and submit it. The step's updates are recorded (recording_updates), so that a
+# later step with the same structure repeats them without torch's step Python
+# (bridge/patches/optim.py, _Replay): for GPT-2's 148 parameters torch's _init_group and the
+# checks here cost the host more than the update itself.
+
+_recorded = None  # the group updates of the optimizer step running now, or None
+
+
+@contextlib.contextmanager
+def recording_updates():
+    """Within: each group update the patches below make is appended to the list yielded (None
+    for a group torch's own update took)."""
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
+
+
+def _record(update):
+    if _recorded is not None:
+        _recorded.append(update)
 
 
 def _plain_cpu(tensor):
@@ -360,6 +387,78 @@ def _bind(wrapped, args, kwargs):
     return bound.arguments
 
 
+class _GroupUpdate:
+    """One parameter group's update program call, made from what torch handed the functional
+    update; `submit(grads, lr)` runs it (again) for these gradients and learning rate.
+
+    `state` names the per-parameter state tensors it uses (the state dict's keys) with the
+    tensors, so that a repeat can check that the optimizer's state still holds them."""
+
+    kind = None
+
+    def __init__(self, params, dtype, state, statics):
+        self.params, self.dtype, self.state, self.statics = params, dtype, state, statics
+        self.numpy_dtype = np.float32 if dtype == torch.float32 else np.float64
+
+    def grads_usable(self, grads):
+        """Whether these gradients (one per parameter, from p.grad) fit the program."""
+        dtype, index = self.dtype, self.params[0]._index
+        return all(isinstance(g, BridgeTensor) and g.dtype == dtype and g._index == index for g in grads)
+
+    def _submit(self, arguments, statics, finish, now=False):
+        values = arguments[0]
+        optimizers.submit(self.kind, held_only_by_their_tensors(self.params, values), arguments, statics, finish, now=now)
+        capture.fused_steps[self.kind] = capture.fused_steps.get(self.kind, 0) + (now or optimizers.batched() is None)
+
+    def _write_params(self, new_params):
+        for tensor, value in zip(self.params, new_params):
+            write_value(tensor, value)
+
+
+class _AdamUpdate(_GroupUpdate):
+    kind = "adam"
+
+    def __init__(self, params, dtype, state, statics, steps, on_host, weight_decay):
+        super().__init__(params, dtype, state, statics)
+        self.steps, self.on_host, self.weight_decay = steps, on_host, weight_decay
+        self.amsgrad = statics["amsgrad"]
+
+    def submit(self, grads, lr):
+        beta1, beta2 = self.statics["beta1"], self.statics["beta2"]
+        if self.on_host:
+            torch._foreach_add_(self.steps, 1.0)
+            counts = torch.stack(self.steps).tolist()  # one host op for all parameters' step counts
+        else:
+            # Step counts on the device (fused=True, capturable=True), their values kept on
+            # the host too.
+            counts = optimizers.device_step_counts(self.steps)
+        # As torch computes them, in Python floats: bias corrections, the step size, its sign;
+        # sent to the device as one array.
+        scalars = np.array(
+            [1 - lr * self.weight_decay]
+            + [(lr / (1 - beta1**count)) * -1 for count in counts]
+            + [(1 - beta2**count) ** 0.5 for count in counts],
+            dtype=self.numpy_dtype,
+        )
+        # The moments as flat arrays: their tensors become views into them (optimizers.flat_state).
+        tensors = self.state
+        roots = [optimizers.flat_state(tensors["exp_avg"]), optimizers.flat_state(tensors["exp_avg_sq"])]
+        roots.append(optimizers.flat_state(tensors["max_exp_avg_sq"]) if self.amsgrad else None)
+        clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
+        values = [read_value(t) for t in self.params]
+
+        def finish(result):
+            new_params, *new_flat, clip_result = result
+            _clip_done(clip, clip_result)
+            self._write_params(new_params)
+            for root, value in zip(roots, new_flat):
+                if root is not None:
+                    write_value(root, value)
+
+        arguments = [values, grad_values, *[None if root is None else read_value(root) for root in roots], scalars, *clip_values]
+        self._submit(arguments, dict(clip_statics, **self.statics), finish)
+
+
 def adam(wrapped, instance, args, kwargs):
     if not settings.capture or settings.tracing:  # a traced step is torch's own, through the tables
         return wrapped(*args, **kwargs)
@@ -383,51 +482,53 @@ def adam(wrapped, instance, args, kwargs):
         and (not a["amsgrad"] or all(isinstance(t, BridgeTensor) for t in a["max_exp_avg_sqs"]))
     )
     if not usable:
+        _record(None)
         return wrapped(*args, **kwargs)
-    lr, beta1, beta2 = float(a["lr"]), float(a["beta1"]), float(a["beta2"])
-    numpy_dtype = np.float32 if dtype == torch.float32 else np.float64
-    if on_host:
-        torch._foreach_add_(steps, 1.0)
-        counts = torch.stack(steps).tolist()  # one host op for all parameters' step counts
-    else:
-        counts = optimizers.device_step_counts(steps)
-    # As torch computes them, in Python floats: bias corrections, the step size, its sign;
-    # sent to the device as one array.
-    scalars = np.array(
-        [1 - lr * a["weight_decay"]]
-        + [(lr / (1 - beta1**count)) * -1 for count in counts]
-        + [(1 - beta2**count) ** 0.5 for count in counts],
-        dtype=numpy_dtype,
-    )
-    # The moments as flat arrays: their tensors become views into them (optimizers.flat_state).
-    roots = [optimizers.flat_state(a["exp_avgs"]), optimizers.flat_state(a["exp_avg_sqs"])]
-    roots.append(optimizers.flat_state(a["max_exp_avg_sqs"]) if a["amsgrad"] else None)
-    clip, grad_values, clip_values, clip_statics = _clip_arguments(a["grads"])
-    values = [read_value(t) for t in params]
+    state = {"exp_avg": a["exp_avgs"], "exp_avg_sq": a["exp_avg_sqs"], "step": steps}
+    if a["amsgrad"]:
+        state["max_exp_avg_sq"] = a["max_exp_avg_sqs"]
     statics = dict(
-        clip_statics,
-        beta1=beta1,
-        beta2=beta2,
+        beta1=float(a["beta1"]),
+        beta2=float(a["beta2"]),
         eps=float(a["eps"]),
         weight_decay=float(a["weight_decay"]),
         decoupled=bool(a.get("decoupled_weight_decay")),
         amsgrad=bool(a["amsgrad"]),
         maximize=bool(a["maximize"]),
     )
-
-    def finish(result):
-        new_params, *new_flat, clip_result = result
-        _clip_done(clip, clip_result)
-        for tensor, value in zip(params, new_params):
-            write_value(tensor, value)
-        for root, value in zip(roots, new_flat):
-            if root is not None:
-                write_value(root, value)
-
-    arguments = [values, grad_values, *[None if root is None else read_value(root) for root in roots], scalars, *clip_values]
-    optimizers.submit("adam", held_only_by_their_tensors(params, values), arguments, statics, finish)
-    capture.fused_steps["adam"] = capture.fused_steps.get("adam", 0) + (optimizers.batched() is None)
+    update = _AdamUpdate(params, dtype, state, statics, steps, on_host, float(a["weight_decay"]))
+    update.submit(a["grads"], float(a["lr"]))
+    _record(update)
     return None
+
+
+class _SGDUpdate(_GroupUpdate):
+    kind = "sgd"
+
+    def __init__(self, params, dtype, state, statics, buffers):
+        super().__init__(params, dtype, state, statics)
+        self.buffers = buffers  # torch's list: the first step's new buffers are put in it
+
+    def submit(self, grads, lr):
+        momentum, first = self.statics["momentum"], self.statics["first"]
+        root = None if first or momentum == 0 else optimizers.flat_state(self.buffers)
+        clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
+        values = [read_value(t) for t in self.params]
+
+        def finish(result):
+            new_params, new_flat, clip_result = result
+            _clip_done(clip, clip_result)
+            self._write_params(new_params)
+            if momentum != 0:
+                if first:  # torch: a copy of each gradient; here views into one flat root
+                    self.buffers[:] = optimizers.flat_members(new_flat, self.params)
+                else:
+                    write_value(root, new_flat)
+
+        arguments = [values, grad_values, None if root is None else read_value(root), np.array(lr, dtype=self.numpy_dtype), *clip_values]
+        # The first step's buffers are new tensors torch puts in the state right after this
+        # call: that update runs now, not with the step's other groups.
+        self._submit(arguments, dict(clip_statics, **self.statics), finish, now=first)
 
 
 def sgd(wrapped, instance, args, kwargs):
@@ -447,13 +548,10 @@ def sgd(wrapped, instance, args, kwargs):
         and (first or all(isinstance(t, BridgeTensor) for t in buffers))
     )
     if not usable:
+        _record(None)
         return wrapped(*args, **kwargs)
     momentum = float(a["momentum"])
-    root = None if first or momentum == 0 else optimizers.flat_state(buffers)
-    clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
-    values = [read_value(t) for t in params]
     statics = dict(
-        clip_statics,
         momentum=momentum,
         dampening=float(a["dampening"]),
         weight_decay=float(a["weight_decay"]),
@@ -461,25 +559,11 @@ def sgd(wrapped, instance, args, kwargs):
         maximize=bool(a["maximize"]),
         first=first and momentum != 0,
     )
-
-    def finish(result):
-        new_params, new_flat, clip_result = result
-        _clip_done(clip, clip_result)
-        for tensor, value in zip(params, new_params):
-            write_value(tensor, value)
-        if momentum != 0:
-            if first:  # torch: a copy of each gradient; here views into one flat root
-                buffers[:] = optimizers.flat_members(new_flat, params)
-            else:
-                write_value(root, new_flat)
-
-    lr = np.array(a["lr"], dtype=np.float32 if dtype == torch.float32 else np.float64)
-    arguments = [values, grad_values, None if root is None else read_value(root), lr, *clip_values]
-    # The first step's buffers are new tensors torch puts in the state right after this call:
-    # that update runs now, not with the step's other groups.
-    now = first and momentum != 0
-    optimizers.submit("sgd", held_only_by_their_tensors(params, values), arguments, statics, finish, now=now)
-    capture.fused_steps["sgd"] = capture.fused_steps.get("sgd", 0) + (now or optimizers.batched() is None)
+    state = {} if momentum == 0 else {"momentum_buffer": buffers}
+    update = _SGDUpdate(params, dtype, state, statics, buffers)
+    update.submit(grads, float(a["lr"]))
+    # A first step's update makes the buffers: the next step's differs (it reads them).
+    _record(None if statics["first"] else update)
     return None
 
 

@@ -6,8 +6,10 @@ the groups' device keys are rewritten to the device the script sees, so that
 the host.
 """
 
+import contextlib
 import functools
 import importlib
+import operator
 import weakref
 
 import jax
@@ -20,7 +22,7 @@ from bridge.runtime.config import settings
 from bridge.runtime.tensor import BridgeTensor, read_value, root_of, to_bridge, write_value
 
 from . import Patch
-from .capture import clip_in_place
+from .capture import clip_in_place, recording_updates
 
 
 def group_tensors_by_device_and_dtype(wrapped, instance, args, kwargs):
@@ -311,6 +313,112 @@ def _own_program_serves(optimizer):
     return True
 
 
+# ---------------------------------------------------------------- Adam's, AdamW's and SGD's steps repeated
+#
+# Where their own update programs serve a step, torch's step Python (its _init_group over every
+# parameter, the functional update's checks) costs the host more than the update program: for
+# GPT-2's 148 parameters, milliseconds a step. A step whose structure is the last one's (the
+# same parameters with gradients, the same state tensors, the same hyperparameters but the
+# learning rate) repeats the last step's group updates directly: each reads the new gradients
+# and learning rate, as torch's step would have handed them in.
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain_value(value):
+    return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(item, _PLAIN) for item in value))
+
+
+class _Replay:
+    """The last step's group updates of an optimizer, one per parameter group, with what they
+    were made from."""
+
+    def __init__(self, optimizer, updates):
+        self.optimizer, self.state, self.param_groups = optimizer, optimizer.state, optimizer.param_groups
+        self.groups = []
+        for group, update in zip(optimizer.param_groups, updates):
+            params = group["params"]
+            members = {id(p) for p in update.params}
+            with_grad = tuple(i for i, p in enumerate(params) if id(p) in members)
+            hyper = {key: value for key, value in group.items() if key not in ("params", "lr")}
+            self.groups.append((group, params, len(params), with_grad, hyper, update))
+
+    @classmethod
+    def make(cls, optimizer, updates):
+        """A replay of these updates, or None where a step may not be repeated this way (a group
+        torch's own update took, a learning rate or hyperparameter that is not a plain value)."""
+        groups = optimizer.param_groups
+        if len(updates) != len(groups) or any(update is None for update in updates):
+            return None
+        for group in groups:
+            if not isinstance(group.get("lr"), (int, float)) or not all(_plain_value(v) for k, v in group.items() if k != "params"):
+                return None
+        return cls(optimizer, updates)
+
+    def gradients(self):
+        """Each group's gradients, where this step's structure is the recorded one; else None."""
+        optimizer = self.optimizer
+        if optimizer.state is not self.state or optimizer.param_groups is not self.param_groups or len(self.param_groups) != len(self.groups):
+            return None
+        found = []
+        state = self.state
+        for group, params, count, with_grad, hyper, update in self.groups:
+            if group["params"] is not params or len(params) != count or not isinstance(group["lr"], (int, float)):
+                return None
+            grads = [p.grad for p in params]
+            if len(with_grad) != count:
+                if tuple(i for i, grad in enumerate(grads) if grad is not None) != with_grad:
+                    return None
+                grads = [grads[i] for i in with_grad]
+            elif not all(grad is not None for grad in grads):
+                return None
+            if not update.grads_usable(grads):
+                return None
+            if len(group) != len(hyper) + 2 or any(group.get(key, hyper) != value for key, value in hyper.items()):
+                return None
+            held = [state.get(p) for p in update.params]
+            if None in held:
+                return None
+            for key, tensors in update.state.items():
+                if not all(map(operator.is_, [entry.get(key) for entry in held], tensors)):
+                    return None
+            found.append(grads)
+        return found
+
+    def run(self, gradients):
+        for (group, *_, update), grads in zip(self.groups, gradients):
+            update.submit(grads, float(group["lr"]))
+
+
+_replays = weakref.WeakKeyDictionary()  # optimizer -> _Replay
+
+
+def _own_step(optimizer, step, args, kwargs):
+    """A step Adam's, AdamW's or SGD's own update programs serve: the last step's updates
+    repeated where its structure is the same, else torch's step (recording its updates). A
+    step of several groups runs their updates as one program (runtime.optimizers.one_program)."""
+    replay = _replays.get(optimizer)
+    gradients = replay.gradients() if replay is not None and not args and not kwargs else None
+    several = len(optimizer.param_groups) > 1
+    with contextlib.ExitStack() as stack:
+        batch = stack.enter_context(optimizers.one_program()) if several else None
+        if gradients is not None:
+            replay.run(gradients)
+            result = None
+        else:
+            with recording_updates() as updates:
+                result = step(optimizer, *args, **kwargs)
+            made = _Replay.make(optimizer, updates)
+            if made is None:
+                _replays.pop(optimizer, None)
+            else:
+                _replays[optimizer] = made
+        kinds = {call[0] for call in batch.calls} if several else ()
+    for kind in kinds:
+        capture.fused_steps[kind] = capture.fused_steps.get(kind, 0) + 1
+    return result
+
+
 def _capturable_step(optimizer, args, kwargs):
     """Whether this call of optimizer.step can run as a captured program (one that Adam's, AdamW's
     or SGD's own update programs do not serve: checked first)."""
@@ -337,14 +445,8 @@ def _wrap_step(step):
             region = _step_regions.get(self)
             if region is not None:
                 region.finish_copy()
-            if own and len(self.param_groups) > 1:
-                # The groups' update programs run as one (runtime.optimizers.one_program).
-                with optimizers.one_program() as batch:
-                    result = step(self, *args, **kwargs)
-                    kinds = {call[0] for call in batch.calls}
-                for kind in kinds:
-                    capture.fused_steps[kind] = capture.fused_steps.get(kind, 0) + 1
-                return result
+            if own:
+                return _own_step(self, step, args, kwargs)
             return step(self, *args, **kwargs)
         region = _step_regions.get(self)
         if region is None:
