@@ -413,3 +413,22 @@ def test_steps_of_one_structure_repeat_without_torchs_step(captured, make, reque
     first = [2, 2] if "sgd" in request.node.name else [2, 0]
     assert calls == first + [0, 2, 2, 2, 0, 2, 0], calls
     assert not capture.breaks, capture.breaks
+
+
+def test_state_loaded_into_a_step_captured_whole(captured):
+    """A step captured whole (RMSprop's) after load_state_dict: it reads the loaded state, its
+    parameters equal torch's, and it mirrors only the host tensors the state now holds (those
+    load_state_dict replaced are dropped, not written back)."""
+    from bridge.patches import optim as optim_patches
+
+    make = _make(O.RMSprop, lr=1e-2, momentum=0.9)
+    events = {2: "save", 7: "load"}
+    reference, _ = _eventful_training(make, "cpu", events)
+    net, _ = _eventful_training(make, "cuda", events)
+    for p_ref, p in zip(reference.parameters(), net.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=2e-5, atol=1e-6)
+    (region,) = [region for optimizer, region in optim_patches._step_regions.items() if isinstance(optimizer, O.RMSprop)]
+    optimizer = region.optimizer()
+    held = {id(value) for state in optimizer.state.values() for value in state.values() if optim_patches._host_scalar(value)}
+    assert held and set(region.mirrors) == held
+    assert not capture.breaks, capture.breaks

@@ -126,8 +126,9 @@ class _StepRegion:
         self.mirrors = {}  # id(host tensor) -> (host tensor, its _version when mirrored, mirror)
         self.rates = {}  # group position -> (lr mirror, its float) (groups whose float lr is carried as a tensor)
         self.in_flight = None  # (host tensors, device array being copied to the host)
+        self.tensors = []  # the step's state: parameters, state and group tensors (mirrors in place)
         name = f"{type(optimizer).__name__}.step"
-        self.region = capture.Region(self._body, name)
+        self.region = capture.Region(self._body, name, state_roots=lambda: self.tensors)
 
     # The traced body: gradients are inputs (a new tensor every step), and so are the scale and
     # found_inf GradScaler hands a fused step (new tensors every step, set on the optimizer);
@@ -234,6 +235,12 @@ class _StepRegion:
                 if _host_scalar(value):
                     group[key] = self._mirror(value, index)
                     swapped.append((group, key, value))
+        if len(self.mirrors) > len(swapped):
+            # Host tensors no longer in the state (load_state_dict replaced them): their mirrors
+            # go, and their values are no longer written back.
+            held = {id(value) for _, _, value in swapped}
+            self.mirrors = {key: entry for key, entry in self.mirrors.items() if key in held}
+        for position, group in enumerate(optimizer.param_groups):
             for flag in ("capturable", "foreach") if not group.get("fused") else ():
                 if flag in group:
                     swapped.append((group, flag, group[flag]))
@@ -244,6 +251,14 @@ class _StepRegion:
             if torch_flags and isinstance(group.get("lr"), float):
                 swapped.append((group, "lr", group["lr"]))
                 group["lr"] = self._rate(position, group["lr"], group["params"][0])
+        # The region's state, named up front: a program reads the tensors the optimizer holds
+        # now, and one traced before load_state_dict replaced them does not serve.
+        self.tensors = [
+            value
+            for owner in [*optimizer.state.values(), *optimizer.param_groups]
+            for value in owner.values()
+            if isinstance(value, BridgeTensor)
+        ] + _params(optimizer)
         return swapped
 
     def _rate(self, position, lr, param):
