@@ -16,9 +16,11 @@ against each of the bridge's, and their ratio. Writes <out>/<name>.{md,json}.
 """
 
 import argparse
+import cProfile
 import gc
 import json
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -96,7 +98,10 @@ def _measure(options):
                 print("RESULT " + json.dumps({**record, "error": str(error).splitlines()[0][:200]}), flush=True)
                 continue
             times, host, programs = [], [], []
+            profile = cProfile.Profile() if options.profile else None
             for step in range(2 + options.steps):
+                if profile is not None and step == 2:
+                    profile.enable()
                 before = sum(capture.fused_steps.values()) if bridged else 0
                 torch.cuda.synchronize() if device == "cuda" else None
                 start = time.perf_counter()
@@ -108,6 +113,10 @@ def _measure(options):
                     times.append((time.perf_counter() - start) * 1e3)
                     host.append((returned - start) * 1e3)
                     programs.append(sum(capture.fused_steps.values()) - before if bridged else None)
+            if profile is not None:
+                profile.disable()
+                print(f"PROFILE {options.runtime} {name} {implementation}", flush=True)
+                pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
             # Steps back to back, one synchronization at the end: the rate a training loop sees
             # when the host runs ahead.
             start = time.perf_counter()
@@ -164,6 +173,7 @@ def main(argv=None):
     parser.add_argument("--only", default="", help="optimizers by lower-case name, comma-separated")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default="optimizer_steps")
+    parser.add_argument("--profile", action="store_true", help="cProfile the timed steps of each case (printed with the logs)")
     parser.add_argument("--runtime", choices=["torch", "bridge"], help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.runtime:
@@ -177,6 +187,7 @@ def main(argv=None):
         command = [sys.executable, __file__, "--runtime", runtime, "--steps", str(options.steps)]
         command += ["--tiny"] if options.tiny else []
         command += ["--only", options.only] if options.only else []
+        command += ["--profile"] if options.profile else []
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         output = done.stdout + done.stderr
         logs[runtime] = output[-3000:]

@@ -12,7 +12,10 @@ it; results compared with the first's):
   its SGD from 2026-11-24 to 11-26, and on backends other than GPUs now);
 - flat spans: each parameter's moments read from and written back into their span of the
   flat arrays, in place (runtime.optimizers' SGD on GPUs now);
-- separate (Adam): each parameter's moments in arrays of their own, as torch keeps them.
+- separate (Adam): each parameter's moments in arrays of their own, as torch keeps them;
+- flat all (Adam): the parameters joined too, one elementwise pass, the new parameters split.
+Each line also gives the number of kernels (fusions and library calls) XLA compiled the program
+into.
 Prints the median time of a call with the device idle before it, and the time a call of calls
 back to back (ms).
 """
@@ -114,6 +117,23 @@ def _adam_separate(params, grads, avgs, sqs, flat_maxes, scalars, clip_grads=Non
     return new_params, new_avgs, new_sqs, None, clip
 
 
+def _adam_flat_all(params, grads, flat_avgs, flat_sqs, flat_maxes, scalars, clip_grads=None, coefficient=None, **static):
+    """Adam with the parameters joined too: one elementwise pass over flat arrays (one step size
+    for all, as when every parameter has taken the same number of steps), then the new flat
+    parameters split into the parameters' arrays."""
+    grads, clip = optimizers._clipped(grads, clip_grads, coefficient, static["max_norm"], static["norm_type"])
+    count = len(params)
+    decay, step_size, bias2_sqrt = scalars[0], scalars[1], scalars[1 + count]
+    dtype = params[0].dtype
+    beta1, beta2, eps = static["beta1"], static["beta2"], static["eps"]
+    flat_grads, flat_params = optimizers._join(grads), optimizers._join(params)
+    flat_avgs = optimizers._lerp(flat_avgs, flat_grads, jnp.asarray(1 - beta1, dtype))
+    flat_sqs = flat_sqs * jnp.asarray(beta2, dtype) + jnp.asarray(1 - beta2, dtype) * flat_grads * flat_grads
+    denom = jnp.sqrt(flat_sqs) / bias2_sqrt.astype(dtype) + jnp.asarray(eps, dtype)
+    flat_params = flat_params * decay.astype(dtype) + step_size.astype(dtype) * (flat_avgs / denom)
+    return optimizers._split(flat_params, params), flat_avgs, flat_sqs, None, clip
+
+
 def _sgd_joined(params, grads, flat_buffers, lr, clip_grads=None, coefficient=None, **static):
     """runtime.optimizers.sgd_update as it was from 2026-11-24 to 2026-11-26: the gradients
     joined into one flat array, the buffers updated whole, each parameter reading its slice."""
@@ -176,6 +196,14 @@ def _time(function, arguments, donated, repeats):
     return statistics.median(samples), (time.perf_counter() - start) * 1e3 / repeats
 
 
+def _kernels(function, arguments):
+    """How many kernels XLA compiled the program into: the fusions and custom calls of its entry
+    computation."""
+    text = function.lower(*arguments).compile().as_text()
+    entry = text[text.index("ENTRY") :]
+    return sum(1 for line in entry.splitlines() if " fusion(" in line or " custom-call(" in line or " copy(" in line)
+
+
 def _distance(values, reference):
     """How far results are from the reference's: identical, or how many differ and by how much
     (the same arithmetic fused differently may round a product and a sum once, as a fused
@@ -222,6 +250,7 @@ def main(argv=None):
         ("adam", "flat joined", optimizers.adam_update.__wrapped__, ADAM_STATIC, fresh_adam, (2, 3)),
         ("adam", "flat spans", _adam_spans, ADAM_STATIC, fresh_adam, (2, 3)),
         ("adam", "separate", _adam_separate, ADAM_STATIC, fresh_adam_separate, (2, 3)),
+        ("adam", "flat all", _adam_flat_all, ADAM_STATIC, fresh_adam, (2, 3)),
         ("sgd", "per-parameter", _sgd_per_parameter, SGD_STATIC, fresh_sgd, (2,)),
         ("sgd", "flat joined", _sgd_joined, SGD_STATIC, fresh_sgd, (2,)),
         ("sgd", "flat spans", _sgd_spans, SGD_STATIC, fresh_sgd, (2,)),
@@ -235,8 +264,10 @@ def main(argv=None):
         same = "reference" if optimizer not in reference else _distance(values, reference[optimizer])
         reference.setdefault(optimizer, values)
         rng = np.random.default_rng(1)
-        ms, pipelined = _time(function, fresh(), donated, options.repeats)
-        print(f"{optimizer:5s} {layout:14s} {ms:8.3f} ms  back to back {pipelined:8.3f} ms   results {same}", flush=True)
+        arguments = fresh()
+        kernels = _kernels(function, arguments)
+        ms, pipelined = _time(function, arguments, donated, options.repeats)
+        print(f"{optimizer:5s} {layout:14s} {ms:8.3f} ms  back to back {pipelined:8.3f} ms  {kernels:4d} kernels   results {same}", flush=True)
 
 
 if __name__ == "__main__":
