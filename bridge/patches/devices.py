@@ -18,11 +18,11 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bridge.runtime import devices, random
-from bridge.runtime.callsite import user_call_site
+from bridge.runtime.callsite import user_call_site, warn_at_user_site
 from bridge.runtime.config import settings
-from bridge.runtime.errors import DeviceError
+from bridge.runtime.errors import BridgeWarning, DeviceError
 from bridge.runtime.dispatch import dispatch
-from bridge.runtime.tensor import BridgeTensor, to_bridge, to_bridge_autograd
+from bridge.runtime.tensor import BridgeTensor, read_value, to_bridge, to_bridge_autograd, write_value
 
 from . import collect, replace, wrap
 
@@ -112,24 +112,132 @@ def module_apply(wrapped, instance, args, kwargs):
 
 @wrap(torch.nn.DataParallel, "forward")
 def data_parallel_forward(wrapped, instance, args, kwargs):
-    """nn.DataParallel over one bridge device calls its module directly, as torch does after
-    scattering to that one device: the inputs go to the module's device, and no Scatter or
-    Gather (autograd Functions over torch's C++ communication) stands between the script's
-    region and the module's. Over several devices it runs as torch does."""
+    """nn.DataParallel over bridge devices.
+
+    Over one device it calls its module directly, as torch does after scattering to that one
+    device: the inputs go to the module's device, and no Scatter or Gather (autograd Functions
+    over torch's C++ communication) stands between the script's region and the module's.
+
+    Over several it computes what torch's replicas compute, one after another on the module's
+    device (_apply_in_turn): torch's scatter, replicate and gather go through CUDA streams and
+    its C++ communication, which bridge tensors do not reach, and replicas made anew each call
+    would compile anew each call. The other devices stay idle (a warning says so once)."""
     from torch.utils import _pytree as pytree
 
-    if len(instance.device_ids) != 1 or not isinstance(next(instance.module.parameters(), None), BridgeTensor):
+    if not instance.device_ids or not isinstance(next(instance.module.parameters(), None), BridgeTensor):
         return wrapped(*args, **kwargs)
     for tensor in (*instance.module.parameters(), *instance.module.buffers()):
         if tensor.device != instance.src_device_obj:
             return wrapped(*args, **kwargs)  # torch's own error names the tensor's device
     device = instance.src_device_obj
+    if len(instance.device_ids) == 1:
 
-    def to_device(value):
-        return value.to(device) if isinstance(value, torch.Tensor) else value
+        def to_device(value):
+            return value.to(device) if isinstance(value, torch.Tensor) else value
 
-    args, kwargs = pytree.tree_map(to_device, (args, kwargs))
-    return instance.module(*args, **kwargs)
+        args, kwargs = pytree.tree_map(to_device, (args, kwargs))
+        return instance.module(*args, **kwargs)
+    if not _data_parallel_warned:
+        _data_parallel_warned.append(True)
+        warn_at_user_site(
+            f"bridge: nn.DataParallel over devices {list(instance.device_ids)} runs its replicas' work one after "
+            f"another on {device} (the same results as torch's replicas; the other devices stay idle). "
+            "For several devices, use one process per device (DistributedDataParallel).",
+            BridgeWarning,
+        )
+    inputs, module_kwargs = _scatter_on(device, args, kwargs, len(instance.device_ids), instance.dim)
+    if not inputs and not module_kwargs:
+        inputs, module_kwargs = ((),), ({},)
+    outputs = _apply_in_turn(instance.module, inputs, module_kwargs)
+    return _gather_to(outputs, instance.output_device, instance.dim)
+
+
+_data_parallel_warned = []
+
+
+def _is_namedtuple(value):
+    return isinstance(value, tuple) and hasattr(value, "_asdict") and hasattr(value, "_fields")
+
+
+def _scatter_on(device, args, kwargs, count, dim):
+    """torch's scatter_kwargs (torch/nn/parallel/scatter_gather.py) with every chunk on `device`:
+    tensors split with chunk(count, dim), as its C++ scatter splits them (a batch smaller than
+    the devices gives fewer chunks, and fewer replicas run), other values repeated; containers
+    chunked item by item, zipped to the shortest."""
+
+    def scatter_map(value):
+        if isinstance(value, torch.Tensor):
+            return list(value.to(device).chunk(count, dim))
+        if _is_namedtuple(value):
+            return [type(value)(*items) for items in zip(*map(scatter_map, value))]
+        if isinstance(value, tuple) and value:
+            return list(zip(*map(scatter_map, value)))
+        if isinstance(value, list) and value:
+            return [list(items) for items in zip(*map(scatter_map, value))]
+        if isinstance(value, dict) and value:
+            return [type(value)(items) for items in zip(*map(scatter_map, value.items()))]
+        return [value for _ in range(count)]
+
+    inputs = scatter_map(args) if args else []
+    module_kwargs = scatter_map(kwargs) if kwargs else []
+    if len(inputs) < len(module_kwargs):
+        inputs.extend(() for _ in range(len(module_kwargs) - len(inputs)))
+    elif len(module_kwargs) < len(inputs):
+        module_kwargs.extend({} for _ in range(len(inputs) - len(module_kwargs)))
+    return tuple(inputs), tuple(module_kwargs)
+
+
+def _apply_in_turn(module, inputs, module_kwargs):
+    """The module on each chunk in turn, as torch's replicas would run it: each chunk sees the
+    buffers as they were before the call (torch copies them to every replica first), and only
+    the first chunk's writes to them remain (the first replica's buffers are the module's own;
+    the others' are copies dropped after the call: BatchNorm's running statistics are the first
+    chunk's). Gradients of the parameters add up over the chunks, as torch's replicas' do."""
+    buffers = [buffer for buffer in module.buffers() if isinstance(buffer, BridgeTensor)]
+    before = [read_value(buffer) for buffer in buffers]
+    outputs, first = [], None
+    for position, (chunk, chunk_kwargs) in enumerate(zip(inputs, module_kwargs)):
+        if position == 1:
+            first = [read_value(buffer) for buffer in buffers]
+        if position >= 1:
+            for buffer, value in zip(buffers, before):
+                write_value(buffer, value)
+        outputs.append(module(*chunk, **chunk_kwargs))
+    if first is not None:
+        for buffer, value in zip(buffers, first):
+            write_value(buffer, value)
+    return outputs
+
+
+def _gather_to(outputs, target, dim):
+    """torch's gather (torch/nn/parallel/scatter_gather.py): tensors concatenated along `dim` on
+    the output device (0-dim ones along a new dimension, with torch's warning), containers
+    item by item."""
+    if target != "cpu":
+        target = torch.device("cuda", target) if isinstance(target, int) else torch.device(target)
+
+    def gather_map(values):
+        first = values[0]
+        if isinstance(first, torch.Tensor):
+            if dim == 0 and all(value.dim() == 0 for value in values):
+                warn_at_user_site(
+                    "Was asked to gather along dimension 0, but all input tensors were scalars; will instead "
+                    "unsqueeze and return a vector.",
+                    UserWarning,
+                )
+                values = [value.view(1) for value in values]
+            return torch.cat([value.to(target) for value in values], dim)
+        if first is None:
+            return None
+        if isinstance(first, dict):
+            if not all(len(first) == len(value) for value in values):
+                raise ValueError("All dicts must have the same number of keys")
+            return type(first)((key, gather_map([value[key] for value in values])) for key in first)
+        if _is_namedtuple(first):
+            return type(first)._make(map(gather_map, zip(*values)))
+        return type(first)(map(gather_map, zip(*values)))
+
+    return gather_map(outputs)
 
 
 @wrap(torch.backends.cudnn, "is_acceptable")
