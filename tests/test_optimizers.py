@@ -387,7 +387,8 @@ def _eventful_training(make, device, events):
             saved = copy.deepcopy(optimizer.state_dict())
         if event == "load":
             optimizer.load_state_dict(saved)
-        optimizer.step()
+        # as scripts call it, and as accelerate (HF Trainer) hands its closure on: step(None)
+        [optimizer.step, lambda: optimizer.step(None), lambda: optimizer.step(closure=None)][step % 3]()
         schedule.step()
     return net, calls
 

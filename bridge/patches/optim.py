@@ -413,7 +413,10 @@ def _own_step(optimizer, step, args, kwargs):
     repeated where its structure is the same, else torch's step (recording its updates). A
     step of several groups runs their updates as one program (runtime.optimizers.one_program)."""
     replay = _replays.get(optimizer)
-    gradients = replay.gradients() if replay is not None and not args and not kwargs else None
+    # A closure re-evaluates the model: torch's step calls it. `step(None)` (accelerate's
+    # AcceleratedOptimizer, which HF Trainer uses, hands its closure on) is no closure.
+    no_closure = all(value is None for value in args) and len(args) <= 1 and set(kwargs) <= {"closure"} and kwargs.get("closure") is None
+    gradients = replay.gradients() if replay is not None and no_closure else None
     several = len(optimizer.param_groups) > 1
     with contextlib.ExitStack() as stack:
         batch = stack.enter_context(optimizers.one_program()) if several else None
