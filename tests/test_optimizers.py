@@ -433,3 +433,15 @@ def test_state_loaded_into_a_step_captured_whole(captured):
     held = {id(value) for state in optimizer.state.values() for value in state.values() if optim_patches._host_scalar(value)}
     assert held and set(region.mirrors) == held
     assert not capture.breaks, capture.breaks
+
+
+def test_a_dropped_optimizer_is_freed(captured):
+    """What an optimizer's repeated steps keep does not keep the optimizer alive."""
+    import gc
+    import weakref
+
+    net, optimizer = _train(_make(O.AdamW, lr=1e-2), {"fused": True}, "cuda", steps=3)
+    gone = weakref.ref(optimizer)
+    del optimizer
+    gc.collect()
+    assert gone() is None

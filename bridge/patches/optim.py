@@ -349,7 +349,8 @@ class _Replay:
     were made from."""
 
     def __init__(self, optimizer, updates):
-        self.optimizer, self.state, self.param_groups = optimizer, optimizer.state, optimizer.param_groups
+        # Not the optimizer itself: _replays is keyed on it weakly.
+        self.state, self.param_groups = optimizer.state, optimizer.param_groups
         self.groups = []
         for group, update in zip(optimizer.param_groups, updates):
             params = group["params"]
@@ -370,9 +371,8 @@ class _Replay:
                 return None
         return cls(optimizer, updates)
 
-    def gradients(self):
+    def gradients(self, optimizer):
         """Each group's gradients, where this step's structure is the recorded one; else None."""
-        optimizer = self.optimizer
         if optimizer.state is not self.state or optimizer.param_groups is not self.param_groups or len(self.param_groups) != len(self.groups):
             return None
         found = []
@@ -415,8 +415,8 @@ def _own_step(optimizer, step, args, kwargs):
     replay = _replays.get(optimizer)
     # A closure re-evaluates the model: torch's step calls it. `step(None)` (accelerate's
     # AcceleratedOptimizer, which HF Trainer uses, hands its closure on) is no closure.
-    no_closure = all(value is None for value in args) and len(args) <= 1 and set(kwargs) <= {"closure"} and kwargs.get("closure") is None
-    gradients = replay.gradients() if replay is not None and no_closure else None
+    no_closure = len(args) <= 1 and set(kwargs) <= {"closure"} and all(value is None for value in (*args, *kwargs.values()))
+    gradients = replay.gradients(optimizer) if replay is not None and no_closure else None
     several = len(optimizer.param_groups) > 1
     with contextlib.ExitStack() as stack:
         batch = stack.enter_context(optimizers.one_program()) if several else None
