@@ -4,7 +4,7 @@ Each entry is the functional form (`_fused_adam`); the runtime derives the in-pl
 optimizers call (`_fused_adam_`), so a fused step that reaches the tables (eager mode, a step
 outside a captured region, `GradScaler` with a fused optimizer) is one compiled program for
 all of its tensors. Captured mode usually never gets here: it runs the whole step as one
-program of its own (bridge/patches/capture.py).
+program of its own (bridge/patches/optim.py).
 
 The arithmetic is the kernels': each element in the parameters' compute type (float32 for
 bfloat16 and float16), the step counts read from their tensors, and with `grad_scale` the

@@ -814,7 +814,7 @@ class Compile:
 
 breaks = []  # Break records (the run report lists them)
 compiles = []  # Compile records
-fused_steps = {}  # optimizer name -> steps run as one program (bridge/patches/capture.py)
+fused_steps = {}  # optimizer name -> steps run as one program (bridge/patches/optim.py)
 
 
 def _user_site(error):

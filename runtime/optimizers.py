@@ -245,7 +245,7 @@ def adam_update(
     grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     count = len(params)
     decay, step_sizes, bias2_sqrts = scalars[0], scalars[1 : 1 + count], scalars[1 + count :]
-    dtype = params[0].dtype  # one dtype per group (bridge.patches.capture._uniform)
+    dtype = params[0].dtype  # one dtype per group (bridge.patches.optim._uniform)
     if maximize:
         grads = [-grad for grad in grads]
     if weight_decay != 0 and not decoupled:

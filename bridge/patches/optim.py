@@ -1,9 +1,14 @@
-"""Grouping helpers torch's optimizers and clip_grad_norm_ use.
+"""torch.optim under the bridge: every optimizer step in captured mode, and the grouping
+helpers torch's optimizers and clip_grad_norm_ use.
 
-torch groups tensors by their C++ device, which is 'cpu' for bridge tensors;
-the groups' device keys are rewritten to the device the script sees, so that
-`x.to(device)` inside those helpers stays on the bridge instead of copying to
-the host.
+- Adam, AdamW and SGD: torch's functional updates are patched to run each parameter group's
+  update as one program (runtime/optimizers.py), all groups of a step together; a step whose
+  structure is the last one's repeats those updates without torch's step Python (_Replay).
+- Every other step (torch.optim's others, any optimizer written in torch ops) is traced once
+  per structure and replayed as one program (_StepRegion).
+- torch groups tensors by their C++ device, which is 'cpu' for bridge tensors; the groups'
+  device keys are rewritten to the device the script sees, so that `x.to(device)` inside those
+  helpers stays on the bridge instead of copying to the host.
 """
 
 import contextlib
@@ -14,15 +19,15 @@ import weakref
 
 import jax
 import jax.numpy as jnp
-import numpy
+import numpy as np
 import torch
 
 from bridge.runtime import capture, optimizers
 from bridge.runtime.config import settings
-from bridge.runtime.tensor import BridgeTensor, read_value, root_of, to_bridge, write_value
+from bridge.runtime.tensor import BridgeTensor, held_only_by_their_tensors, read_value, root_of, to_bridge, write_value
 
 from . import Patch
-from .capture import clip_in_place, recording_updates
+from .capture import _bind, _clip_arguments, _clip_done, clip_in_place
 
 
 def group_tensors_by_device_and_dtype(wrapped, instance, args, kwargs):
@@ -46,6 +51,231 @@ PATCHES = [
 ]
 
 
+# ---------------------------------------------------------------- Adam's, AdamW's and SGD's update programs
+#
+# torch's Adam, AdamW and SGD call their functional update once per parameter group; the patches
+# below check what torch hands in and, where the update can be one program, make it a
+# _GroupUpdate and submit it. The step's updates are recorded (recording_updates), so that a
+# later step with the same structure repeats them without torch's step Python
+# (bridge/patches/optim.py, _Replay): for GPT-2's 148 parameters torch's _init_group and the
+# checks here cost the host more than the update itself.
+
+_recorded = None  # the group updates of the optimizer step running now, or None
+
+
+@contextlib.contextmanager
+def recording_updates():
+    """Within: each group update the patches below make is appended to the list yielded (None
+    for a group torch's own update took)."""
+    global _recorded
+    outer, _recorded = _recorded, []
+    try:
+        yield _recorded
+    finally:
+        _recorded = outer
+
+
+def _record(update):
+    if _recorded is not None:
+        _recorded.append(update)
+
+
+def _plain_cpu(tensor):
+    return isinstance(tensor, torch.Tensor) and not isinstance(tensor, BridgeTensor) and tensor.device.type == "cpu"
+
+
+def _uniform(params):
+    """The params' dtype and device if all are bridge tensors of one real float dtype and device."""
+    if not params or not all(isinstance(p, BridgeTensor) for p in params):
+        return None
+    dtype, index = params[0].dtype, params[0]._index
+    if dtype not in (torch.float32, torch.float64):
+        return None
+    if any(p.dtype != dtype or p._index != index for p in params):
+        return None
+    return dtype
+
+
+class _GroupUpdate:
+    """One parameter group's update program call, made from what torch handed the functional
+    update; `submit(grads, lr)` runs it (again) for these gradients and learning rate.
+
+    `state` names the per-parameter state tensors it uses (the state dict's keys) with the
+    tensors, so that a repeat can check that the optimizer's state still holds them."""
+
+    kind = None
+
+    def __init__(self, params, dtype, state, statics):
+        self.params, self.dtype, self.state, self.statics = params, dtype, state, statics
+        self.numpy_dtype = np.float32 if dtype == torch.float32 else np.float64
+
+    def grads_usable(self, grads):
+        """Whether these gradients (one per parameter, from p.grad) fit the program."""
+        dtype, index = self.dtype, self.params[0]._index
+        return all(isinstance(g, BridgeTensor) and g.dtype == dtype and g._index == index for g in grads)
+
+    def _submit(self, arguments, statics, finish, now=False):
+        values = arguments[0]
+        optimizers.submit(self.kind, held_only_by_their_tensors(self.params, values), arguments, statics, finish, now=now)
+        capture.fused_steps[self.kind] = capture.fused_steps.get(self.kind, 0) + (now or optimizers.batched() is None)
+
+    def _write_params(self, new_params):
+        for tensor, value in zip(self.params, new_params):
+            write_value(tensor, value)
+
+
+class _AdamUpdate(_GroupUpdate):
+    kind = "adam"
+
+    def __init__(self, params, dtype, state, statics, steps, on_host, weight_decay):
+        super().__init__(params, dtype, state, statics)
+        self.steps, self.on_host, self.weight_decay = steps, on_host, weight_decay
+        self.amsgrad = statics["amsgrad"]
+
+    def submit(self, grads, lr):
+        beta1, beta2 = self.statics["beta1"], self.statics["beta2"]
+        if self.on_host:
+            torch._foreach_add_(self.steps, 1.0)
+            counts = torch.stack(self.steps).tolist()  # one host op for all parameters' step counts
+        else:
+            # Step counts on the device (fused=True, capturable=True), their values kept on
+            # the host too.
+            counts = optimizers.device_step_counts(self.steps)
+        # As torch computes them, in Python floats: bias corrections, the step size, its sign;
+        # sent to the device as one array.
+        scalars = np.array(
+            [1 - lr * self.weight_decay]
+            + [(lr / (1 - beta1**count)) * -1 for count in counts]
+            + [(1 - beta2**count) ** 0.5 for count in counts],
+            dtype=self.numpy_dtype,
+        )
+        # The moments as flat arrays: their tensors become views into them (optimizers.flat_state).
+        tensors = self.state
+        roots = [optimizers.flat_state(tensors["exp_avg"]), optimizers.flat_state(tensors["exp_avg_sq"])]
+        roots.append(optimizers.flat_state(tensors["max_exp_avg_sq"]) if self.amsgrad else None)
+        clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
+        values = [read_value(t) for t in self.params]
+
+        def finish(result):
+            new_params, *new_flat, clip_result = result
+            _clip_done(clip, clip_result)
+            self._write_params(new_params)
+            for root, value in zip(roots, new_flat):
+                if root is not None:
+                    write_value(root, value)
+
+        arguments = [values, grad_values, *[None if root is None else read_value(root) for root in roots], scalars, *clip_values]
+        self._submit(arguments, dict(clip_statics, **self.statics), finish)
+
+
+def adam(wrapped, instance, args, kwargs):
+    if not settings.capture or settings.tracing:  # a traced step is torch's own, through the tables
+        return wrapped(*args, **kwargs)
+    a = _bind(wrapped, args, kwargs)
+    params = a["params"]
+    dtype = _uniform(params)
+    steps = a["state_steps"]
+    # Step counts on the host (torch's default), or on the device (fused=True, capturable=True),
+    # where their values are kept on the host too (optimizers.device_step_counts).
+    on_host = all(_plain_cpu(step) for step in steps)
+    on_device = all(isinstance(step, BridgeTensor) and step.dim() == 0 for step in steps)
+    usable = (
+        dtype is not None
+        and not a.get("differentiable")
+        and a.get("grad_scale") is None
+        and a.get("found_inf") is None
+        and not a.get("has_complex")
+        and not any(isinstance(a[name], BridgeTensor) for name in ("lr", "beta1", "beta2"))
+        and (on_host or (on_device and (a.get("fused") or a.get("capturable"))))
+        and all(isinstance(t, BridgeTensor) and t.dtype == dtype for t in a["grads"] + a["exp_avgs"] + a["exp_avg_sqs"])
+        and (not a["amsgrad"] or all(isinstance(t, BridgeTensor) for t in a["max_exp_avg_sqs"]))
+    )
+    if not usable:
+        _record(None)
+        return wrapped(*args, **kwargs)
+    state = {"exp_avg": a["exp_avgs"], "exp_avg_sq": a["exp_avg_sqs"], "step": steps}
+    if a["amsgrad"]:
+        state["max_exp_avg_sq"] = a["max_exp_avg_sqs"]
+    statics = dict(
+        beta1=float(a["beta1"]),
+        beta2=float(a["beta2"]),
+        eps=float(a["eps"]),
+        weight_decay=float(a["weight_decay"]),
+        decoupled=bool(a.get("decoupled_weight_decay")),
+        amsgrad=bool(a["amsgrad"]),
+        maximize=bool(a["maximize"]),
+    )
+    update = _AdamUpdate(params, dtype, state, statics, steps, on_host, float(a["weight_decay"]))
+    update.submit(a["grads"], float(a["lr"]))
+    _record(update)
+    return None
+
+
+class _SGDUpdate(_GroupUpdate):
+    kind = "sgd"
+
+    def __init__(self, params, dtype, state, statics, buffers):
+        super().__init__(params, dtype, state, statics)
+        self.buffers = buffers  # torch's list: the first step's new buffers are put in it
+
+    def submit(self, grads, lr):
+        momentum, first = self.statics["momentum"], self.statics["first"]
+        root = None if first or momentum == 0 else optimizers.flat_state(self.buffers)
+        clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
+        values = [read_value(t) for t in self.params]
+
+        def finish(result):
+            new_params, new_flat, clip_result = result
+            _clip_done(clip, clip_result)
+            self._write_params(new_params)
+            if momentum != 0:
+                if first:  # torch: a copy of each gradient; here views into one flat root
+                    self.buffers[:] = optimizers.flat_members(new_flat, self.params)
+                else:
+                    write_value(root, new_flat)
+
+        arguments = [values, grad_values, None if root is None else read_value(root), np.array(lr, dtype=self.numpy_dtype), *clip_values]
+        # The first step's buffers are new tensors torch puts in the state right after this
+        # call: that update runs now, not with the step's other groups.
+        self._submit(arguments, dict(clip_statics, **self.statics), finish, now=first)
+
+
+def sgd(wrapped, instance, args, kwargs):
+    if not settings.capture or settings.tracing:  # a traced step is torch's own, through the tables
+        return wrapped(*args, **kwargs)
+    a = _bind(wrapped, args, kwargs)
+    params, grads, buffers = a["params"], a["d_p_list"], a["momentum_buffer_list"]
+    dtype = _uniform(params)
+    first = all(buffer is None for buffer in buffers)
+    usable = (
+        dtype is not None
+        and not a.get("has_sparse_grad")
+        and a.get("grad_scale") is None
+        and a.get("found_inf") is None
+        and not isinstance(a["lr"], BridgeTensor)
+        and all(isinstance(t, BridgeTensor) and t.dtype == dtype for t in grads)
+        and (first or all(isinstance(t, BridgeTensor) for t in buffers))
+    )
+    if not usable:
+        _record(None)
+        return wrapped(*args, **kwargs)
+    momentum = float(a["momentum"])
+    statics = dict(
+        momentum=momentum,
+        dampening=float(a["dampening"]),
+        weight_decay=float(a["weight_decay"]),
+        nesterov=bool(a["nesterov"]),
+        maximize=bool(a["maximize"]),
+        first=first and momentum != 0,
+    )
+    state = {} if momentum == 0 else {"momentum_buffer": buffers}
+    update = _SGDUpdate(params, dtype, state, statics, buffers)
+    update.submit(grads, float(a["lr"]))
+    # A first step's update makes the buffers: the next step's differs (it reads them).
+    _record(None if statics["first"] else update)
+    return None
+
+
 # ---------------------------------------------------------------- whole steps as programs
 #
 # Captured mode runs an optimizer's `step()` as one program: torch's own Python step is traced
@@ -53,7 +283,7 @@ PATCHES = [
 # and replayed after, as module calls are (runtime/capture.py). This serves every optimizer
 # written in torch ops, torch.optim's and others (HF's Adafactor, a user's Lion), in whichever
 # implementation the script picked; Adam, AdamW and SGD keep their own update programs
-# (bridge/patches/capture.py) for the steps they serve in one program (_own_program_serves),
+# (above) for the steps they serve in one program (_own_program_serves),
 # which also fold a waiting clip_grad_norm_ in.
 #
 # What the trace must see as torch.compile's does:
@@ -68,14 +298,6 @@ PATCHES = [
 #   bridge tensors while the step runs ("mirrors"). Their host tensors, which state_dict() and
 #   checkpoints read, are brought up to date after each step (an asynchronous copy, finished
 #   at the next step or when the state is read), so the saved state is torch's.
-
-def is_compiling(wrapped, instance, args, kwargs):
-    """True in every captured trace, as under torch.compile: library code then takes the paths
-    it keeps for compilers (HF transformers skips its attention-mask checks, `.all()` on a traced
-    mask, and routes MoE experts through its own operator), and torch's optimizers keep their
-    scalars as tensors. Eager runs, a region's after a graph break too, see torch's answer."""
-    return settings.tracing > 0 or wrapped(*args, **kwargs)
-
 
 def _host_scalar(value):
     return (
@@ -290,7 +512,7 @@ class _StepRegion:
             return
         hosts, values = self.in_flight
         self.in_flight = None
-        values = numpy.asarray(values)
+        values = np.asarray(values)
         for host, value in zip(hosts, values):
             known = self.mirrors.get(id(host))
             if known is None or known[0] is not host or known[1] != host._version:
@@ -303,7 +525,7 @@ class _StepRegion:
 _stack = jax.jit(lambda values: jnp.stack([value.astype(jnp.float64 if value.dtype == jnp.float64 else jnp.float32) for value in values]))
 _step_regions = weakref.WeakKeyDictionary()  # optimizer -> _StepRegion
 
-# Optimizers with update programs of their own (bridge/patches/capture.py patches their update
+# Optimizers with update programs of their own (the patches above of their update
 # functions), which also take a waiting clip_grad_norm_ in.
 _OWN_PROGRAMS = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -524,7 +746,10 @@ class _StepPatch(Patch):
 
 
 PATCHES += [
-    Patch(torch.compiler, "is_compiling", wrapper=is_compiling),
+    # Each optimizer module calls the functional form through its own global name.
+    Patch(importlib.import_module("torch.optim.adam"), "adam", wrapper=adam),
+    Patch(importlib.import_module("torch.optim.adamw"), "adam", wrapper=adam),
+    Patch(importlib.import_module("torch.optim.sgd"), "sgd", wrapper=sgd),
     Patch(torch.optim.Optimizer, "state_dict", wrapper=state_dict),
     _StepPatch(),
 ]
