@@ -300,12 +300,9 @@ def sgd(wrapped, instance, args, kwargs):
 #   at the next step or when the state is read), so the saved state is torch's.
 
 def _host_scalar(value):
-    return (
-        isinstance(value, torch.Tensor)
-        and not isinstance(value, BridgeTensor)
-        and value.device.type == "cpu"
-        and value.dim() == 0
-    )
+    if type(value) is torch.Tensor:  # the common case, checked first (a step scans all state)
+        return value.is_cpu and value.dim() == 0
+    return isinstance(value, torch.Tensor) and not isinstance(value, BridgeTensor) and value.is_cpu and value.dim() == 0
 
 
 def _params(optimizer):
@@ -345,7 +342,7 @@ class _StepRegion:
     def __init__(self, optimizer, step):
         self.optimizer = weakref.ref(optimizer)
         self.step = step  # the class's step below this patch, unbound
-        self.mirrors = {}  # id(host tensor) -> (host tensor, its _version when mirrored, mirror)
+        self.mirrors = {}  # id(host tensor) -> (host tensor, its _version when mirrored, mirror, its numpy view)
         self.rates = {}  # group position -> (lr mirror, its float) (groups whose float lr is carried as a tensor)
         self.in_flight = None  # (host tensors, device array being copied to the host)
         self.tensors = []  # the step's state: parameters, state and group tensors (mirrors in place)
@@ -437,26 +434,28 @@ class _StepRegion:
                 # Changed on the host since (a scheduler's `fill_` of a tensor lr): the same
                 # mirror takes the value, as the programs read this tensor.
                 write_value(mirror, to_bridge(host, index)._value)
-                self.mirrors[id(host)] = (host, host._version, mirror)
+                self.mirrors[id(host)] = (host, host._version, mirror, known[3])
             return mirror
         mirror = to_bridge(host, index)
-        self.mirrors[id(host)] = (host, host._version, mirror)
+        # The host tensor's memory as numpy sees it, kept: finish_copy writes each step's value there.
+        self.mirrors[id(host)] = (host, host._version, mirror, host.numpy())
         return mirror
 
     def _swap_in(self, optimizer, index):
         """Put mirrors in place of the host scalars, capturable on and float lr as a tensor;
-        returns what to put back."""
-        swapped = []
-        for state in optimizer.state.values():
-            for key, value in list(state.items()):
-                if _host_scalar(value):
-                    state[key] = self._mirror(value, index)
-                    swapped.append((state, key, value))
-        for position, group in enumerate(optimizer.param_groups):
-            for key, value in list(group.items()):
-                if _host_scalar(value):
-                    group[key] = self._mirror(value, index)
-                    swapped.append((group, key, value))
+        returns what to put back. Names the region's state as it goes (self.tensors): the
+        tensors the optimizer holds now, so that a program traced before load_state_dict
+        replaced them does not serve."""
+        swapped, tensors = [], []
+        for owner in [*optimizer.state.values(), *optimizer.param_groups]:
+            for key, value in owner.items():
+                if isinstance(value, BridgeTensor):
+                    tensors.append(value)
+                elif _host_scalar(value):
+                    swapped.append((owner, key, value))
+        for owner, key, value in swapped:
+            owner[key] = mirror = self._mirror(value, index)
+            tensors.append(mirror)
         if len(self.mirrors) > len(swapped):
             # Host tensors no longer in the state (load_state_dict replaced them): their mirrors
             # go, and their values are no longer written back.
@@ -472,15 +471,9 @@ class _StepRegion:
             torch_flags = any(flag in group for flag in ("capturable", "foreach", "fused"))
             if torch_flags and isinstance(group.get("lr"), float):
                 swapped.append((group, "lr", group["lr"]))
-                group["lr"] = self._rate(position, group["lr"], group["params"][0])
-        # The region's state, named up front: a program reads the tensors the optimizer holds
-        # now, and one traced before load_state_dict replaced them does not serve.
-        self.tensors = [
-            value
-            for owner in [*optimizer.state.values(), *optimizer.param_groups]
-            for value in owner.values()
-            if isinstance(value, BridgeTensor)
-        ] + _params(optimizer)
+                group["lr"] = mirror = self._rate(position, group["lr"], group["params"][0])
+                tensors.append(mirror)
+        self.tensors = tensors + _params(optimizer)
         return swapped
 
     def _rate(self, position, lr, param):
@@ -499,7 +492,7 @@ class _StepRegion:
             owner[key] = value
 
     def _start_copy(self):
-        pairs = [(host, mirror) for host, _, mirror in self.mirrors.values()]
+        pairs = [(host, mirror) for host, _, mirror, _ in self.mirrors.values()]
         if not pairs:
             return
         values = _stack([read_value(mirror) for _, mirror in pairs])
@@ -519,7 +512,7 @@ class _StepRegion:
                 continue  # written on the host since the step (a scheduler's fill_): that value is newer
             # Into the tensor's memory, as fill_ would write it (without a torch call per
             # tensor: GPT-2 has 148 step counts); its version stays the one mirrored.
-            host.numpy()[()] = value
+            known[3][()] = value
 
 
 _stack = jax.jit(lambda values: jnp.stack([value.astype(jnp.float64 if value.dtype == jnp.float64 else jnp.float32) for value in values]))
