@@ -57,7 +57,7 @@ PATCHES = [
 # below check what torch hands in and, where the update can be one program, make it a
 # _GroupUpdate and submit it. The step's updates are recorded (recording_updates), so that a
 # later step with the same structure repeats them without torch's step Python
-# (bridge/patches/optim.py, _Replay): for GPT-2's 148 parameters torch's _init_group and the
+# (_Replay, below): for GPT-2's 148 parameters torch's _init_group and the
 # checks here cost the host more than the update itself.
 
 _recorded = None  # the group updates of the optimizer step running now, or None
