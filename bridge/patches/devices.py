@@ -213,8 +213,7 @@ def _gather_to(outputs, target, dim):
     """torch's gather (torch/nn/parallel/scatter_gather.py): tensors concatenated along `dim` on
     the output device (0-dim ones along a new dimension, with torch's warning), containers
     item by item."""
-    if target != "cpu":
-        target = torch.device("cuda", target) if isinstance(target, int) else torch.device(target)
+    target = torch.device("cuda", target) if isinstance(target, int) else torch.device(target)
 
     def gather_map(values):
         first = values[0]

@@ -80,8 +80,11 @@ def _record(update):
         _recorded.append(update)
 
 
-def _plain_cpu(tensor):
-    return isinstance(tensor, torch.Tensor) and not isinstance(tensor, BridgeTensor) and tensor.device.type == "cpu"
+def _plain_cpu(value):
+    """A tensor of torch's own on the host (not a bridge tensor)."""
+    if type(value) is torch.Tensor:  # the common case, checked first (a step scans all state)
+        return value.is_cpu
+    return isinstance(value, torch.Tensor) and not isinstance(value, BridgeTensor) and value.is_cpu
 
 
 def _uniform(params):
@@ -127,32 +130,31 @@ class _GroupUpdate:
 class _AdamUpdate(_GroupUpdate):
     kind = "adam"
 
-    def __init__(self, params, dtype, state, statics, steps, on_host, weight_decay):
+    def __init__(self, params, dtype, state, statics, on_host):
         super().__init__(params, dtype, state, statics)
-        self.steps, self.on_host, self.weight_decay = steps, on_host, weight_decay
-        self.amsgrad = statics["amsgrad"]
+        self.on_host = on_host
 
     def submit(self, grads, lr):
         beta1, beta2 = self.statics["beta1"], self.statics["beta2"]
+        tensors = self.state
         if self.on_host:
-            torch._foreach_add_(self.steps, 1.0)
-            counts = torch.stack(self.steps).tolist()  # one host op for all parameters' step counts
+            torch._foreach_add_(tensors["step"], 1.0)
+            counts = torch.stack(tensors["step"]).tolist()  # one host op for all parameters' step counts
         else:
             # Step counts on the device (fused=True, capturable=True), their values kept on
             # the host too.
-            counts = optimizers.device_step_counts(self.steps)
+            counts = optimizers.device_step_counts(tensors["step"])
         # As torch computes them, in Python floats: bias corrections, the step size, its sign;
         # sent to the device as one array.
         scalars = np.array(
-            [1 - lr * self.weight_decay]
+            [1 - lr * self.statics["weight_decay"]]
             + [(lr / (1 - beta1**count)) * -1 for count in counts]
             + [(1 - beta2**count) ** 0.5 for count in counts],
             dtype=self.numpy_dtype,
         )
         # The moments as flat arrays: their tensors become views into them (optimizers.flat_state).
-        tensors = self.state
         roots = [optimizers.flat_state(tensors["exp_avg"]), optimizers.flat_state(tensors["exp_avg_sq"])]
-        roots.append(optimizers.flat_state(tensors["max_exp_avg_sq"]) if self.amsgrad else None)
+        roots.append(optimizers.flat_state(tensors["max_exp_avg_sq"]) if self.statics["amsgrad"] else None)
         clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
         values = [read_value(t) for t in self.params]
 
@@ -205,7 +207,7 @@ def adam(wrapped, instance, args, kwargs):
         amsgrad=bool(a["amsgrad"]),
         maximize=bool(a["maximize"]),
     )
-    update = _AdamUpdate(params, dtype, state, statics, steps, on_host, float(a["weight_decay"]))
+    update = _AdamUpdate(params, dtype, state, statics, on_host)
     update.submit(a["grads"], float(a["lr"]))
     _record(update)
     return None
@@ -300,9 +302,7 @@ def sgd(wrapped, instance, args, kwargs):
 #   at the next step or when the state is read), so the saved state is torch's.
 
 def _host_scalar(value):
-    if type(value) is torch.Tensor:  # the common case, checked first (a step scans all state)
-        return value.is_cpu and value.dim() == 0
-    return isinstance(value, torch.Tensor) and not isinstance(value, BridgeTensor) and value.is_cpu and value.dim() == 0
+    return _plain_cpu(value) and value.dim() == 0
 
 
 def _params(optimizer):
