@@ -623,15 +623,19 @@ class _Replay:
 _replays = weakref.WeakKeyDictionary()  # optimizer -> _Replay
 
 
+def _no_closure(args, kwargs):
+    """Whether step() was called without a closure (which re-evaluates the model: torch's step
+    calls it). `step(None)` is none: accelerate's AcceleratedOptimizer, which HF Trainer uses,
+    hands its closure on."""
+    return len(args) <= 1 and set(kwargs) <= {"closure"} and all(value is None for value in (*args, *kwargs.values()))
+
+
 def _own_step(optimizer, step, args, kwargs):
     """A step Adam's, AdamW's or SGD's own update programs serve: the last step's updates
     repeated where its structure is the same, else torch's step (recording its updates). A
     step of several groups runs their updates as one program (runtime.optimizers.one_program)."""
     replay = _replays.get(optimizer)
-    # A closure re-evaluates the model: torch's step calls it. `step(None)` (accelerate's
-    # AcceleratedOptimizer, which HF Trainer uses, hands its closure on) is no closure.
-    no_closure = len(args) <= 1 and set(kwargs) <= {"closure"} and all(value is None for value in (*args, *kwargs.values()))
-    gradients = replay.gradients(optimizer) if replay is not None and no_closure else None
+    gradients = replay.gradients(optimizer) if replay is not None and _no_closure(args, kwargs) else None
     several = len(optimizer.param_groups) > 1
     with contextlib.ExitStack() as stack:
         batch = stack.enter_context(optimizers.one_program()) if several else None
@@ -655,7 +659,7 @@ def _own_step(optimizer, step, args, kwargs):
 def _capturable_step(optimizer, args, kwargs):
     """Whether this call of optimizer.step can run as a captured program (one that Adam's, AdamW's
     or SGD's own update programs do not serve: checked first)."""
-    if args or kwargs.get("closure") is not None:
+    if not _no_closure(args, kwargs):
         return False  # a closure (LBFGS) re-evaluates the model inside the step
     if getattr(optimizer, "defaults", {}).get("differentiable"):
         return False
