@@ -134,6 +134,19 @@ def _adam_flat_all(params, grads, flat_avgs, flat_sqs, flat_maxes, scalars, clip
     return optimizers._split(flat_params, params), flat_avgs, flat_sqs, None, clip
 
 
+def _sgd_separate(params, grads, buffers, lr, clip_grads=None, coefficient=None, **static):
+    """SGD with each parameter's momentum buffer an array of its own (as torch keeps them)."""
+    grads, clip = optimizers._clipped(grads, clip_grads, coefficient, static["max_norm"], static["norm_type"])
+    new_params, new_buffers = [], []
+    for param, grad, buffer in zip(params, grads, buffers):
+        dtype = param.dtype
+        grad = grad + jnp.asarray(static["weight_decay"], dtype) * param
+        buffer = buffer * jnp.asarray(static["momentum"], dtype) + jnp.asarray(1 - static["dampening"], dtype) * grad
+        new_buffers.append(buffer)
+        new_params.append(param + (-lr).astype(dtype) * buffer)
+    return new_params, new_buffers, clip
+
+
 def _sgd_joined(params, grads, flat_buffers, lr, clip_grads=None, coefficient=None, **static):
     """runtime.optimizers.sgd_update as it was from 2026-11-24 to 2026-11-26: the gradients
     joined into one flat array, the buffers updated whole, each parameter reading its slice."""
@@ -196,6 +209,94 @@ def _time(function, arguments, donated, repeats):
     return statistics.median(samples), (time.perf_counter() - start) * 1e3 / repeats
 
 
+def _device_time(function, arguments, donated, calls=10):
+    """The GPU's busy time a call, the host out of it: the kernels' durations in a profile of
+    `calls` calls (JAX's profiler, read back with its ProfileData), summed and divided; and the
+    kernels a call. None without a GPU in the profile."""
+    import glob
+    import tempfile
+
+    from jax._src.lib import _profile_data
+
+    first, last = donated[0], donated[-1] + 1
+    params, flats = arguments[0], list(arguments[first:last])
+    folder = tempfile.mkdtemp()
+    jax.profiler.start_trace(folder)
+    for _ in range(calls):
+        call = list(arguments)
+        call[0] = params
+        call[first:last] = flats
+        result = function(*call)
+        jax.block_until_ready(result)
+        params, flats = result[0], list(result[1 : 1 + len(flats)])
+    jax.profiler.stop_trace()
+    paths = glob.glob(os.path.join(folder, "**", "*.xplane.pb"), recursive=True)
+    total, kernels = 0, 0
+    for plane in _profile_data.ProfileData.from_file(paths[0]).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if line.name.startswith("Stream"):
+                for event in line.events:
+                    total += event.duration_ns
+                    kernels += 1
+    if not kernels:
+        return None
+    return total / 1e6 / calls, kernels / calls
+
+
+def _torch_device_times(repeats):
+    """torch's AdamW and SGD steps on the same shapes, each implementation: ms a step with steps
+    back to back (CUDA events), run in a process of its own so that JAX's memory is not shared."""
+    import subprocess
+
+    code = f"""
+import sys, statistics, torch
+sys.path.insert(0, {HERE!r})
+import optimizer_update as u
+shapes = u.gpt2_shapes(False)
+params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+for p in params:
+    p.grad = torch.randn_like(p) * 1e-3
+for name, make in [
+    ("adamw fused", lambda: torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1, fused=True)),
+    ("adamw foreach", lambda: torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1, foreach=True)),
+    ("sgd fused", lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4, fused=True)),
+    ("sgd foreach", lambda: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-4, foreach=True)),
+]:
+    optimizer = make()
+    for _ in range(3):
+        optimizer.step()
+    samples = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for _ in range({repeats}):
+            optimizer.step()
+        end.record()
+        torch.cuda.synchronize()
+        samples.append(start.elapsed_time(end) / {repeats})
+    print(f"torch {{name:14s}} {{statistics.median(samples):8.3f}} ms a step, steps back to back (CUDA events)", flush=True)
+"""
+    subprocess.run([sys.executable, "-c", code], check=False)
+
+
+def _call_costs(repeats):
+    """The host's microseconds for a jitted call taking and returning n arrays (the device idle)."""
+    for count in (1, 150, 300, 450, 600, 1050):
+        arrays = [jnp.ones((256,), jnp.float32) for _ in range(count)]
+        function = jax.jit(lambda values: [value + 1 for value in values], donate_argnums=(0,))
+        arrays = function(arrays)
+        samples = []
+        for _ in range(repeats):
+            jax.block_until_ready(arrays)
+            start = time.perf_counter()
+            arrays = function(arrays)
+            samples.append(time.perf_counter() - start)
+        print(f"host: a jitted call of {count:5d} arrays in and out: {statistics.median(samples) * 1e6:8.1f} us", flush=True)
+
+
 def _kernels(function, arguments):
     """How many kernels XLA compiled the program into: the fusions and custom calls of its entry
     computation."""
@@ -219,7 +320,12 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--device", action="store_true", help="also the device's time alone (a profile), torch's steps and the host's call costs")
+    parser.add_argument("--only", default="", help="layouts to run, comma-separated (default: all)")
     options = parser.parse_args(argv)
+    if options.device:
+        _torch_device_times(options.repeats)
+        _call_costs(options.repeats)
     shapes = gpt2_shapes(options.tiny)
     total = sum(int(np.prod(shape)) for shape in shapes)
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}: {len(shapes)} parameters, {total:,} values")
@@ -240,6 +346,11 @@ def main(argv=None):
         made[2], made[3] = optimizers._split(made[2], made[0]), optimizers._split(made[3], made[0])
         return made
 
+    def fresh_sgd_separate():
+        made = fresh_sgd()
+        made[2] = optimizers._split(made[2], made[0])
+        return made
+
     def fresh_sgd():
         params, grads = arrays(0.02), arrays(1e-3)
         buffers = jnp.asarray(rng.standard_normal(total, dtype=np.float32) * 1e-3)
@@ -254,8 +365,12 @@ def main(argv=None):
         ("sgd", "per-parameter", _sgd_per_parameter, SGD_STATIC, fresh_sgd, (2,)),
         ("sgd", "flat joined", _sgd_joined, SGD_STATIC, fresh_sgd, (2,)),
         ("sgd", "flat spans", _sgd_spans, SGD_STATIC, fresh_sgd, (2,)),
+        ("sgd", "separate", _sgd_separate, SGD_STATIC, fresh_sgd_separate, (2,)),
     )
+    unclipped = {"adam": dict(ADAM_STATIC, max_norm=None, norm_type=None), "sgd": dict(SGD_STATIC)}
     reference = {}
+    if options.only:
+        cases = [case for case in cases if case[1] in options.only.split(",")]
     for optimizer, layout, update, static, fresh, donated in cases:
         function = jax.jit(functools.partial(update, **static), donate_argnums=(0,) + donated)
         rng = np.random.default_rng(0)
@@ -267,7 +382,16 @@ def main(argv=None):
         arguments = fresh()
         kernels = _kernels(function, arguments)
         ms, pipelined = _time(function, arguments, donated, options.repeats)
-        print(f"{optimizer:5s} {layout:14s} {ms:8.3f} ms  back to back {pipelined:8.3f} ms  {kernels:4d} kernels   results {same}", flush=True)
+        device = ""
+        if options.device:
+            bare_function = jax.jit(functools.partial(update, **unclipped[optimizer]), donate_argnums=(0,) + donated)
+            for label, timed_function, timed_arguments in (
+                ("device alone", function, fresh()),
+                ("unclipped", bare_function, fresh()[:6] if optimizer == "adam" else fresh()),
+            ):
+                measured = _device_time(timed_function, timed_arguments, donated)
+                device += f"  {label} " + ("-" if measured is None else f"{measured[0]:7.3f} ms ({measured[1]:.0f} kernels)")
+        print(f"{optimizer:5s} {layout:14s} {ms:8.3f} ms  back to back {pipelined:8.3f} ms  {kernels:4d} kernels{device}   results {same}", flush=True)
 
 
 if __name__ == "__main__":

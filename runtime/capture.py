@@ -100,11 +100,6 @@ class _Trace:
             root._generation = max(root._generation, generation) + 1
 
 
-def _touch(tensor):
-    if _trace is not None:
-        _trace.touch(tensor)
-
-
 # ---------------------------------------------------------------- structure of a call
 
 
@@ -304,6 +299,7 @@ def _trace_body(function, program, watched=None):
             # before the trace would enter it as a constant, and one made in it would leak.
             torch.clear_autocast_cache()
             _trace = trace
+            tensor_module.trace_hook = trace.touch
             settings.tracing += 1
             outer_for_grad = settings.tracing_for_grad
             settings.tracing_for_grad = program.grad
@@ -321,6 +317,7 @@ def _trace_body(function, program, watched=None):
                 settings.tracing -= 1
                 settings.tracing_for_grad = outer_for_grad
                 _trace = previous_trace
+                tensor_module.trace_hook = None if previous_trace is None else previous_trace.touch
                 leaked = watch.restore() if watch is not None else []
             if leaked:
                 raise GraphBreak(
@@ -1009,5 +1006,3 @@ def summary():
         "optimizer_steps_as_one_program": dict(fused_steps),
     }
 
-
-tensor_module.trace_hook = _touch

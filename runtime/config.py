@@ -48,6 +48,10 @@ class Settings:
         # float32 attention on NVIDIA GPUs runs as one Pallas (Triton) kernel
         # (op_mappings/flash_attention.py); "0" keeps XLA's blocked form instead.
         self.fused_attention = os.environ.get("BRIDGE_FUSED_ATTENTION", "1") != "0"
+        # Where Adam's moments and SGD's momentum buffers live (runtime/optimizers.py): "flat"
+        # (one array per kind, each parameter's state tensor a view into it), "separate" (an
+        # array per tensor, as torch keeps them); None decides by platform (optimizer_state()).
+        self.optimizer_state = os.environ.get("BRIDGE_OPTIMIZER_STATE") or None
         # Compile a captured region's backward before its first split forward runs
         # (runtime/capture.py `_compile_backward`): None decides by platform (GPUs only).
         self.compile_backward_ahead = None
@@ -93,6 +97,16 @@ def matmul_precision():
     if torch.get_float32_matmul_precision() == "highest" and not torch.backends.cuda.matmul.allow_tf32:
         return lax.Precision.HIGHEST
     return lax.Precision.DEFAULT
+
+
+def optimizer_state():
+    """The optimizer state's layout: "flat" or "separate" (settings.optimizer_state)."""
+    layout = settings.optimizer_state
+    if layout is None:
+        return "flat"
+    if layout not in ("flat", "separate"):
+        raise ValueError(f"BRIDGE_OPTIMIZER_STATE={layout!r}: the optimizer state's layout is 'flat' or 'separate'")
+    return layout
 
 
 def conv_channels_last():

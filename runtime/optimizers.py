@@ -232,16 +232,25 @@ def _lerp(start, end, weight):
     )
 
 
+def _adam_moments(exp_avg, exp_avg_sq, grad, beta1, beta2, dtype):
+    """torch's foreach Adam on the moments: exp_avg.lerp_(grad, 1 - beta1), then
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, 1 - beta2)."""
+    exp_avg = _lerp(exp_avg, grad, jnp.asarray(1 - beta1, dtype))
+    exp_avg_sq = exp_avg_sq * jnp.asarray(beta2, dtype)
+    return exp_avg, exp_avg_sq + jnp.asarray(1 - beta2, dtype) * grad * grad
+
+
 def adam_update(
-    params, grads, flat_avgs, flat_sqs, flat_maxes, scalars, clip_grads=None, coefficient=None,
-    *, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, max_norm=None, norm_type=None
+    params, grads, avgs, sqs, maxes, scalars, clip_grads=None, coefficient=None,
+    *, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, separate=False, max_norm=None, norm_type=None
 ):
-    """One Adam/AdamW step; returns the new (params, flat exp_avgs, flat exp_avg_sqs, flat
-    max_exp_avg_sqs or None, (total norm, clip coefficient) or None). The moments are flat
-    arrays (`flat_state`); `scalars` (one transfer from the host) holds 1 - lr * weight_decay,
-    then -lr / (1 - beta1**step) per parameter, then sqrt(1 - beta2**step) per parameter. A
-    folded clip_grad_norm_ (`PendingClip`) gives `clip_grads` (to compute the coefficient) or
-    the `coefficient`, and `max_norm` and `norm_type`."""
+    """One Adam/AdamW step; returns the new (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or
+    None, (total norm, clip coefficient) or None). The moments are flat arrays (`flat_state`),
+    or with `separate` lists of arrays, one per parameter; `scalars` (one transfer from the host)
+    holds 1 - lr * weight_decay, then -lr / (1 - beta1**step) per parameter, then
+    sqrt(1 - beta2**step) per parameter. A folded clip_grad_norm_ (`PendingClip`) gives
+    `clip_grads` (to compute the coefficient) or the `coefficient`, and `max_norm` and
+    `norm_type`."""
     grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     count = len(params)
     decay, step_sizes, bias2_sqrts = scalars[0], scalars[1 : 1 + count], scalars[1 + count :]
@@ -250,35 +259,40 @@ def adam_update(
         grads = [-grad for grad in grads]
     if weight_decay != 0 and not decoupled:
         grads = [grad + jnp.asarray(weight_decay, dtype) * param for grad, param in zip(grads, params)]
-    # The moments as whole flat arrays: elementwise, so XLA updates their donated buffers in
-    # place, and each parameter's update reads its slice of the new moments. Computed per
-    # parameter and concatenated, the moments went to new buffers and each parameter's fusion
-    # computed them again: GPT-2 small's update took 5.87 ms on an H100, now 4.1-4.5. Updated
-    # span by span in place (`_Spans`, as sgd_update does), 6.1 ms
-    # (benchmarks/optimizer_update.py, results/optimizer_update_h100_2026-11-26.txt).
-    flat_grads = _join(grads)
-    flat_avgs = _lerp(flat_avgs, flat_grads, jnp.asarray(1 - beta1, dtype))
-    flat_sqs = flat_sqs * jnp.asarray(beta2, dtype)
-    flat_sqs = flat_sqs + jnp.asarray(1 - beta2, dtype) * flat_grads * flat_grads
-    if amsgrad:
-        flat_maxes = jnp.maximum(flat_maxes, flat_sqs)
-    largest = flat_maxes if amsgrad else flat_sqs
+    if separate:
+        # Each parameter's moments in arrays of their own, donated: each parameter's update is
+        # one elementwise pass over its parameter, gradient and moments.
+        moments = [_adam_moments(avg, sq, grad, beta1, beta2, dtype) for avg, sq, grad in zip(avgs, sqs, grads)]
+        avgs, sqs = [avg for avg, _ in moments], [sq for _, sq in moments]
+        if amsgrad:
+            maxes = [jnp.maximum(largest, sq) for largest, sq in zip(maxes, sqs)]
+        per_parameter = zip(params, avgs, maxes if amsgrad else sqs)
+    else:
+        # The moments as whole flat arrays: elementwise, so XLA updates their donated buffers in
+        # place, and each parameter's update reads its slice of the new moments (computed per
+        # parameter and concatenated, each parameter's fusion computed them again; updated
+        # span by span in place, slower: benchmarks/optimizer_update.py).
+        avgs, sqs = _adam_moments(avgs, sqs, _join(grads), beta1, beta2, dtype)
+        if amsgrad:
+            maxes = jnp.maximum(maxes, sqs)
+        per_parameter = zip(params, _split(avgs, params), _split(maxes if amsgrad else sqs, params))
     new_params = []
-    for i, (param, exp_avg, second) in enumerate(zip(params, _split(flat_avgs, params), _split(largest, params))):
+    for i, (param, exp_avg, second) in enumerate(per_parameter):
         if weight_decay != 0 and decoupled:
             param = param * decay.astype(dtype)
         denom = jnp.sqrt(second) / bias2_sqrts[i].astype(dtype) + jnp.asarray(eps, dtype)
         new_params.append(param + step_sizes[i].astype(dtype) * (exp_avg / denom))
-    return new_params, flat_avgs, flat_sqs, (flat_maxes if amsgrad else None), clip
+    return new_params, avgs, sqs, (maxes if amsgrad else None), clip
 
 
 def sgd_update(
-    params, grads, flat_buffers, lr, clip_grads=None, coefficient=None,
-    *, momentum, dampening, weight_decay, nesterov, maximize, first, max_norm=None, norm_type=None
+    params, grads, buffers, lr, clip_grads=None, coefficient=None,
+    *, momentum, dampening, weight_decay, nesterov, maximize, first, separate=False, max_norm=None, norm_type=None
 ):
-    """One SGD step; returns (new params, new flat momentum buffers or None, (total norm, clip
-    coefficient) or None). `first`: no buffers yet (torch starts them as a copy of the
-    gradient). The clip arguments are adam_update's."""
+    """One SGD step; returns (new params, new momentum buffers or None, (total norm, clip
+    coefficient) or None). The buffers are one flat array, or with `separate` a list of arrays,
+    one per parameter. `first`: no buffers yet (torch starts them as a copy of the gradient).
+    The clip arguments are adam_update's."""
     grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     dtype = params[0].dtype
     if maximize:
@@ -286,33 +300,33 @@ def sgd_update(
     if weight_decay != 0:
         grads = [grad + jnp.asarray(weight_decay, dtype) * param for grad, param in zip(grads, params)]
     if momentum == 0:
-        steps, flat_buffers = grads, None
+        steps, buffers = grads, None
     else:
-        # On GPUs each buffer is updated in its span of the flat array, in place (`_Spans`):
-        # GPT-2 small's update took 2.6 ms on an H100, against 3.4 with the gradients joined
-        # into one flat array and the buffers updated whole. XLA's CPU backend copies the
-        # array for each span, and runs the joined form 4x faster
-        # (benchmarks/optimizer_update.py, results/optimizer_update_h100_2026-11-26.txt).
-        if first:
-            flat_buffers = _join(grads)  # torch starts each buffer as a copy of the gradient
-            buffers = _split(flat_buffers, params)
+        scale, damped = jnp.asarray(momentum, dtype), jnp.asarray(1 - dampening, dtype)
+        if separate:
+            # torch starts each buffer as a copy of the gradient (`first`): a copy, not the
+            # gradient's array handed back (the buffers are donated to the next step).
+            buffers = [jnp.copy(grad) for grad in grads] if first else [buffer * scale + damped * grad for buffer, grad in zip(buffers, grads)]
+            steps_from = buffers
+        elif first:
+            buffers = _join(grads)
+            steps_from = _split(buffers, params)
         elif (settings.platform or jax.default_backend()) != "gpu":
-            flat_grads = _join(grads)
-            flat_buffers = flat_buffers * jnp.asarray(momentum, dtype) + jnp.asarray(1 - dampening, dtype) * flat_grads
-            buffers = _split(flat_buffers, params)
+            # XLA's CPU backend copies the flat array for each span (_Spans): the gradients
+            # joined, the buffers updated whole, each parameter reading its slice.
+            buffers = buffers * scale + damped * _join(grads)
+            steps_from = _split(buffers, params)
         else:
-            spans = _Spans(flat_buffers)
-            buffers = [
-                spans.write(i, spans.read(i, param) * jnp.asarray(momentum, dtype) + jnp.asarray(1 - dampening, dtype) * grad)
-                for i, (param, grad) in enumerate(zip(params, grads))
-            ]
-            flat_buffers = spans.flat
+            # On GPUs each buffer is updated in its span of the flat array, in place (_Spans).
+            spans = _Spans(buffers)
+            steps_from = [spans.write(i, spans.read(i, param) * scale + damped * grad) for i, (param, grad) in enumerate(zip(params, grads))]
+            buffers = spans.flat
         if nesterov:
-            steps = [grad + jnp.asarray(momentum, dtype) * buffer for grad, buffer in zip(grads, buffers)]
+            steps = [grad + scale * buffer for grad, buffer in zip(grads, steps_from)]
         else:
-            steps = buffers
+            steps = steps_from
     new_params = [param + (-lr).astype(dtype) * step for param, step in zip(params, steps)]
-    return new_params, flat_buffers, clip
+    return new_params, buffers, clip
 
 
 class _Spans:
@@ -419,9 +433,9 @@ def _programs(update, static, state):
 
 _RAW.update(adam=(adam_update, (2, 3, 4)), sgd=(sgd_update, (2,)))
 adam_update, adam_update_in_place = _programs(
-    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "max_norm", "norm_type"), (2, 3, 4)
+    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "separate", "max_norm", "norm_type"), (2, 3, 4)
 )
 sgd_update, sgd_update_in_place = _programs(
-    sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "max_norm", "norm_type"), (2,)
+    sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "separate", "max_norm", "norm_type"), (2,)
 )
 _JITTED = {"adam": (adam_update, adam_update_in_place), "sgd": (sgd_update, sgd_update_in_place)}

@@ -425,6 +425,21 @@ def read_value(tensor):
     return value
 
 
+def read_values(tensors):
+    """read_value of each tensor, the common cases (a root with no work pending, a view or alias
+    already up to date) inline: an optimizer step reads hundreds."""
+    if trace_hook is not None:
+        return [read_value(tensor) for tensor in tensors]
+    values = []
+    for tensor in tensors:
+        root = tensor._root
+        if tensor._pending is None if root is None else tensor._seen == root._generation:
+            values.append(tensor._value)
+        else:
+            values.append(read_value(tensor))
+    return values
+
+
 @jax.custom_vjp
 def _written_without_grad(old, new):
     return new
@@ -467,6 +482,27 @@ def write_value(tensor, value):
     root._generation += 1
     tensor._value = value
     tensor._seen = root._generation
+
+
+def write_values(tensors, values):
+    """write_value of each tensor, the common cases (a root, or an alias of a whole root, with no
+    work pending and no trace recording) inline: an optimizer step writes hundreds."""
+    if trace_hook is not None or settings.tracing:
+        for tensor, value in zip(tensors, values):
+            write_value(tensor, value)
+        return
+    for tensor, value in zip(tensors, values):
+        root = tensor._root
+        if tensor._chain or (tensor if root is None else root)._pending is not None:
+            write_value(tensor, value)
+        elif root is None:
+            tensor._value = value
+            tensor._generation += 1
+        else:
+            root._value = value
+            root._generation += 1
+            tensor._value = value
+            tensor._seen = root._generation
 
 
 def to_numpy(tensor):

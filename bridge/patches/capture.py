@@ -25,7 +25,7 @@ import torch
 
 from bridge.runtime import capture, optimizers
 from bridge.runtime.config import settings
-from bridge.runtime.tensor import BridgeTensor, read_value, root_of
+from bridge.runtime.tensor import BridgeTensor, read_value, read_values, root_of
 
 from . import Patch
 
@@ -336,7 +336,7 @@ def _clip_arguments(grads):
     they all wait for is computed by the update (or its known coefficient applied)."""
     clip = optimizers.PendingClip.of(grads)
     if clip is None:
-        return clip, [read_value(t) for t in grads], (None, None), {}
+        return clip, read_values(grads), (None, None), {}
     values, clip_values, coefficient = clip.update_inputs(grads)
     return clip, values, (clip_values, coefficient), {"max_norm": clip.max_norm, "norm_type": clip.norm_type}
 

@@ -14,6 +14,7 @@ helpers torch's optimizers and clip_grad_norm_ use.
 import contextlib
 import functools
 import importlib
+import itertools
 import operator
 import weakref
 
@@ -23,8 +24,18 @@ import numpy as np
 import torch
 
 from bridge.runtime import capture, optimizers
-from bridge.runtime.config import settings
-from bridge.runtime.tensor import BridgeTensor, held_only_by_their_tensors, read_value, root_of, to_bridge, write_value
+from bridge.runtime import tensor as tensor_module
+from bridge.runtime.config import optimizer_state, settings
+from bridge.runtime.tensor import (
+    BridgeTensor,
+    held_only_by_their_tensors,
+    read_value,
+    read_values,
+    root_of,
+    to_bridge,
+    write_value,
+    write_values,
+)
 
 from . import Patch
 from .capture import _bind, _clip_arguments, _clip_done, clip_in_place
@@ -113,9 +124,13 @@ class _GroupUpdate:
         self.numpy_dtype = np.float32 if dtype == torch.float32 else np.float64
 
     def grads_usable(self, grads):
-        """Whether these gradients (one per parameter, from p.grad) fit the program."""
-        dtype, index = self.dtype, self.params[0]._index
-        return all(isinstance(g, BridgeTensor) and g.dtype == dtype and g._index == index for g in grads)
+        """Whether these gradients (one per parameter, from p.grad) fit the program (in C loops:
+        a step checks hundreds)."""
+        if not all(map(isinstance, grads, itertools.repeat(BridgeTensor))):
+            return False
+        with torch._C.DisableTorchFunctionSubclass():  # attribute reads skip the subclass check
+            same_dtype = all(map(operator.eq, map(_DTYPE, grads), itertools.repeat(self.dtype)))
+        return same_dtype and all(map(operator.eq, map(_INDEX, grads), itertools.repeat(self.params[0]._index)))
 
     def _submit(self, arguments, statics, finish, now=False):
         values = arguments[0]
@@ -123,8 +138,20 @@ class _GroupUpdate:
         capture.fused_steps[self.kind] = capture.fused_steps.get(self.kind, 0) + (now or optimizers.batched() is None)
 
     def _write_params(self, new_params):
-        for tensor, value in zip(self.params, new_params):
-            write_value(tensor, value)
+        write_values(self.params, new_params)
+
+    @property
+    def separate(self):
+        """Whether the state tensors hold arrays of their own (else views into flat roots)."""
+        return optimizer_state() == "separate"
+
+
+def _write_state(held, value):
+    """A state kind's new value: a list of arrays into its tensors, or a flat array into its root."""
+    if isinstance(held, list):
+        write_values(held, value)
+    else:
+        write_value(held, value)
 
 
 class _AdamUpdate(_GroupUpdate):
@@ -133,41 +160,63 @@ class _AdamUpdate(_GroupUpdate):
     def __init__(self, params, dtype, state, statics, on_host):
         super().__init__(params, dtype, state, statics)
         self.on_host = on_host
+        self.host_counts = None  # on_host: (the step tensors' _versions, their counts, numpy views)
+
+    def _advance_host_counts(self, steps):
+        """torch's `step_t += 1` on each host step tensor; returns the new counts. The counts are
+        kept here and written through numpy views of the tensors' memory (a torch op per tensor
+        cost a millisecond for GPT-2's 148); a tensor changed since (its _version moved) is read."""
+        versions = list(map(_VERSION, steps))
+        known = self.host_counts
+        if known is not None and known[0] == versions:
+            counts, views = known[1], known[2]
+        else:
+            views = [step.numpy() for step in steps]
+            counts = np.array([view[()] for view in views])
+        counts = counts + counts.dtype.type(1)  # in the tensors' dtype, as torch adds
+        for view, count in zip(views, counts):
+            view[()] = count
+        self.host_counts = (versions, counts, views)
+        return counts.tolist()
 
     def submit(self, grads, lr):
         beta1, beta2 = self.statics["beta1"], self.statics["beta2"]
         tensors = self.state
         if self.on_host:
-            torch._foreach_add_(tensors["step"], 1.0)
-            counts = torch.stack(tensors["step"]).tolist()  # one host op for all parameters' step counts
+            counts = self._advance_host_counts(tensors["step"])
         else:
             # Step counts on the device (fused=True, capturable=True), their values kept on
             # the host too.
             counts = optimizers.device_step_counts(tensors["step"])
         # As torch computes them, in Python floats: bias corrections, the step size, its sign;
-        # sent to the device as one array.
-        scalars = np.array(
-            [1 - lr * self.statics["weight_decay"]]
-            + [(lr / (1 - beta1**count)) * -1 for count in counts]
-            + [(1 - beta2**count) ** 0.5 for count in counts],
-            dtype=self.numpy_dtype,
-        )
-        # The moments as flat arrays: their tensors become views into them (optimizers.flat_state).
-        roots = [optimizers.flat_state(tensors["exp_avg"]), optimizers.flat_state(tensors["exp_avg_sq"])]
-        roots.append(optimizers.flat_state(tensors["max_exp_avg_sq"]) if self.statics["amsgrad"] else None)
+        # sent to the device as one array. (Every parameter has taken as many steps, usually.)
+        count = len(counts)
+        if counts.count(counts[0]) == count:
+            sizes, corrections = [(lr / (1 - beta1 ** counts[0])) * -1] * count, [(1 - beta2 ** counts[0]) ** 0.5] * count
+        else:
+            sizes, corrections = [(lr / (1 - beta1**c)) * -1 for c in counts], [(1 - beta2**c) ** 0.5 for c in counts]
+        scalars = np.array([1 - lr * self.statics["weight_decay"]] + sizes + corrections, dtype=self.numpy_dtype)
+        kinds = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if self.statics["amsgrad"] else ("exp_avg", "exp_avg_sq")
+        if self.separate:
+            # Each moment tensor holds its own array, as in torch.
+            holders = [tensors[kind] for kind in kinds]
+            states = [read_values(held) for held in holders]
+        else:
+            # The moments as flat arrays: their tensors become views into them (optimizers.flat_state).
+            holders = [optimizers.flat_state(tensors[kind]) for kind in kinds]
+            states = [read_value(root) for root in holders]
         clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
-        values = [read_value(t) for t in self.params]
+        values = read_values(self.params)
 
         def finish(result):
-            new_params, *new_flat, clip_result = result
+            new_params, *new_states, clip_result = result
             _clip_done(clip, clip_result)
             self._write_params(new_params)
-            for root, value in zip(roots, new_flat):
-                if root is not None:
-                    write_value(root, value)
+            for held, value in zip(holders, new_states):
+                _write_state(held, value)
 
-        arguments = [values, grad_values, *[None if root is None else read_value(root) for root in roots], scalars, *clip_values]
-        self._submit(arguments, dict(clip_statics, **self.statics), finish)
+        arguments = [values, grad_values, *states, *([None] * (3 - len(kinds))), scalars, *clip_values]
+        self._submit(arguments, dict(clip_statics, separate=self.separate, **self.statics), finish)
 
 
 def adam(wrapped, instance, args, kwargs):
@@ -221,25 +270,36 @@ class _SGDUpdate(_GroupUpdate):
         self.buffers = buffers  # torch's list: the first step's new buffers are put in it
 
     def submit(self, grads, lr):
-        momentum, first = self.statics["momentum"], self.statics["first"]
-        root = None if first or momentum == 0 else optimizers.flat_state(self.buffers)
+        momentum, first, separate = self.statics["momentum"], self.statics["first"], self.separate
+        if first or momentum == 0:
+            held, state = None, None
+        elif separate:
+            held = list(self.buffers)
+            state = read_values(held)
+        else:
+            held = optimizers.flat_state(self.buffers)
+            state = read_value(held)
         clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
-        values = [read_value(t) for t in self.params]
+        values = read_values(self.params)
 
         def finish(result):
-            new_params, new_flat, clip_result = result
+            new_params, new_state, clip_result = result
             _clip_done(clip, clip_result)
             self._write_params(new_params)
-            if momentum != 0:
-                if first:  # torch: a copy of each gradient; here views into one flat root
-                    self.buffers[:] = optimizers.flat_members(new_flat, self.params)
-                else:
-                    write_value(root, new_flat)
+            if momentum == 0:
+                return
+            if not first:
+                _write_state(held, new_state)
+            elif separate:  # torch: a copy of each gradient
+                index = self.params[0]._index
+                self.buffers[:] = [BridgeTensor(value, index) for value in new_state]
+            else:  # views into one flat root
+                self.buffers[:] = optimizers.flat_members(new_state, self.params)
 
-        arguments = [values, grad_values, None if root is None else read_value(root), np.array(lr, dtype=self.numpy_dtype), *clip_values]
+        arguments = [values, grad_values, state, np.array(lr, dtype=self.numpy_dtype), *clip_values]
         # The first step's buffers are new tensors torch puts in the state right after this
         # call: that update runs now, not with the step's other groups.
-        self._submit(arguments, dict(clip_statics, **self.statics), finish, now=first)
+        self._submit(arguments, dict(clip_statics, separate=separate, **self.statics), finish, now=first)
 
 
 def sgd(wrapped, instance, args, kwargs):
@@ -566,13 +626,18 @@ class _Replay:
     def __init__(self, optimizer, updates):
         # Not the optimizer itself: _replays is keyed on it weakly.
         self.state, self.param_groups = optimizer.state, optimizer.param_groups
+        # The state's parameters and their entries as they are now: checked by identity, in
+        # order (hashing 148 parameters in Python, Tensor.__hash__, cost more than the update).
+        self.keys, self.entries = tuple(self.state.keys()), tuple(self.state.values())
+        self.layout = tensor_module.layout_changes  # a parameter's dtype or shape changed in place
         self.groups = []
         for group, update in zip(optimizer.param_groups, updates):
             params = group["params"]
             members = {id(p) for p in update.params}
             with_grad = tuple(i for i, p in enumerate(params) if id(p) in members)
             hyper = {key: value for key, value in group.items() if key not in ("params", "lr")}
-            self.groups.append((group, params, len(params), with_grad, hyper, update))
+            held = [self.state[p] for p in update.params]
+            self.groups.append((group, params, tuple(params), with_grad, hyper, update, held))
 
     @classmethod
     def make(cls, optimizer, updates):
@@ -587,39 +652,55 @@ class _Replay:
         return cls(optimizer, updates)
 
     def gradients(self, optimizer):
-        """Each group's gradients, where this step's structure is the recorded one; else None."""
-        if optimizer.state is not self.state or optimizer.param_groups is not self.param_groups or len(self.param_groups) != len(self.groups):
+        """Each group's gradients, where this step's structure is the recorded one; else None.
+
+        The checks compare objects by identity in C loops (map over operator.is_): a GPT-2
+        step has 148 parameters, each with a gradient and two or three state tensors."""
+        state = self.state
+        if (
+            optimizer.state is not state
+            or optimizer.param_groups is not self.param_groups
+            or len(self.param_groups) != len(self.groups)
+            or getattr(optimizer, "grad_scale", None) is not None
+            or tensor_module.layout_changes != self.layout
+            or len(state) != len(self.keys)
+            or not all(map(operator.is_, state.keys(), self.keys))
+            or not all(map(operator.is_, state.values(), self.entries))
+        ):
             return None
         found = []
-        state = self.state
-        for group, params, count, with_grad, hyper, update in self.groups:
-            if group["params"] is not params or len(params) != count or not isinstance(group["lr"], (int, float)):
+        for group, params, members, with_grad, hyper, update, held in self.groups:
+            if group["params"] is not params or len(params) != len(members) or not all(map(operator.is_, params, members)):
                 return None
-            grads = [p.grad for p in params]
-            if len(with_grad) != count:
-                if tuple(i for i, grad in enumerate(grads) if grad is not None) != with_grad:
-                    return None
-                grads = [grads[i] for i in with_grad]
-            elif not all(grad is not None for grad in grads):
-                return None
-            if not update.grads_usable(grads):
+            if not isinstance(group["lr"], (int, float)):
                 return None
             if len(group) != len(hyper) + 2 or any(group.get(key, hyper) != value for key, value in hyper.items()):
                 return None
-            held = [state.get(p) for p in update.params]
-            if None in held:
+            with torch._C.DisableTorchFunctionSubclass():  # attribute reads skip the subclass check
+                grads = list(map(_GRAD, params))
+            if len(with_grad) != len(params):
+                if tuple(i for i, grad in enumerate(grads) if grad is not None) != with_grad:
+                    return None
+                grads = [grads[i] for i in with_grad]
+            elif any(map(operator.is_, grads, itertools.repeat(None))):
+                return None
+            if not update.grads_usable(grads):
                 return None
             for key, tensors in update.state.items():
-                if not all(map(operator.is_, [entry.get(key) for entry in held], tensors)):
+                if not all(map(operator.is_, map(dict.get, held, itertools.repeat(key)), tensors)):
                     return None
             found.append(grads)
         return found
 
     def run(self, gradients):
-        for (group, *_, update), grads in zip(self.groups, gradients):
+        for (group, *_, update, _), grads in zip(self.groups, gradients):
             update.submit(grads, float(group["lr"]))
 
 
+_GRAD = operator.attrgetter("grad")
+_DTYPE = operator.attrgetter("dtype")
+_VERSION = operator.attrgetter("_version")
+_INDEX = operator.attrgetter("_index")
 _replays = weakref.WeakKeyDictionary()  # optimizer -> _Replay
 
 
@@ -631,26 +712,46 @@ def _no_closure(args, kwargs):
 
 
 def _own_step(optimizer, step, args, kwargs):
-    """A step Adam's, AdamW's or SGD's own update programs serve: the last step's updates
-    repeated where its structure is the same, else torch's step (recording its updates). A
-    step of several groups runs their updates as one program (runtime.optimizers.one_program)."""
-    replay = _replays.get(optimizer)
-    gradients = replay.gradients(optimizer) if replay is not None and _no_closure(args, kwargs) else None
-    several = len(optimizer.param_groups) > 1
-    with contextlib.ExitStack() as stack:
-        batch = stack.enter_context(optimizers.one_program()) if several else None
-        if gradients is not None:
-            replay.run(gradients)
-            result = None
+    """A step Adam's, AdamW's or SGD's own update programs serve: torch's step, recording its
+    updates so that the next step of the same structure repeats them (_repeated)."""
+
+    def run():
+        with recording_updates() as updates:
+            result = step(optimizer, *args, **kwargs)
+        made = _Replay.make(optimizer, updates)
+        if made is None:
+            _replays.pop(optimizer, None)
         else:
-            with recording_updates() as updates:
-                result = step(optimizer, *args, **kwargs)
-            made = _Replay.make(optimizer, updates)
-            if made is None:
-                _replays.pop(optimizer, None)
-            else:
-                _replays[optimizer] = made
-        kinds = {call[0] for call in batch.calls} if several else ()
+            _replays[optimizer] = made
+        return result
+
+    return _in_one_program(optimizer, run)
+
+
+def _repeated(optimizer, args, kwargs):
+    """Whether this step repeated the last one's updates (its structure unchanged; see _Replay):
+    checked first, so that such a step runs no more of the bridge's Python or torch's."""
+    replay = _replays.get(optimizer)
+    if replay is None or not _no_closure(args, kwargs):
+        return False
+    gradients = replay.gradients(optimizer)
+    if gradients is None:
+        return False
+    region = _step_regions.get(optimizer)  # a step captured whole before (GradScaler's scale set then)
+    if region is not None:
+        region.finish_copy()
+    _in_one_program(optimizer, lambda: replay.run(gradients))
+    return True
+
+
+def _in_one_program(optimizer, run):
+    """run(), with the update programs of a step of several groups run as one program
+    (runtime.optimizers.one_program)."""
+    if len(optimizer.param_groups) == 1:
+        return run()
+    with optimizers.one_program() as batch:
+        result = run()
+        kinds = {call[0] for call in batch.calls}
     for kind in kinds:
         capture.fused_steps[kind] = capture.fused_steps.get(kind, 0) + 1
     return result
@@ -677,6 +778,8 @@ def _wrap_step(step):
     @functools.wraps(step)
     def captured_step(self, *args, **kwargs):
         active = settings.capture and not settings.tracing
+        if active and _repeated(self, args, kwargs):
+            return None
         own = active and _own_program_serves(self)
         if not active or own or not _capturable_step(self, args, kwargs):
             region = _step_regions.get(self)
