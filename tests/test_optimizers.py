@@ -448,3 +448,66 @@ def test_a_dropped_optimizer_is_freed(captured):
     del optimizer
     gc.collect()
     assert gone() is None
+
+
+SEPARATE_STATE_CASES = [
+    pytest.param(_make(O.AdamW, lr=1e-2, amsgrad=True), {"fused": True}, id="adamw-amsgrad-fused"),
+    pytest.param(_make(O.Adam, lr=1e-2, weight_decay=0.01), {"foreach": True}, id="adam-foreach"),
+    pytest.param(_make(O.SGD, lr=0.1, momentum=0.9, nesterov=True), {"foreach": False}, id="sgd-nesterov"),
+]
+
+
+@pytest.mark.parametrize("make, flags", SEPARATE_STATE_CASES)
+def test_state_in_arrays_of_its_own_matches_torch(captured, monkeypatch, make, flags):
+    """BRIDGE_OPTIMIZER_STATE=separate: Adam's moments and SGD's buffers each hold an array of
+    their own (as torch keeps them) instead of views into flat arrays; with a clip folded in and
+    a learning-rate schedule, the parameters, the norms and the state equal torch's, and each
+    step after the first is one program."""
+    from bridge.runtime.config import settings
+
+    monkeypatch.setattr(settings, "optimizer_state", "separate")
+    steps = 5
+    reference, opt_ref = _train(make, flags, "cpu", steps, clip=0.05)
+    net, optimizer = _train(make, flags, "cuda", steps, clip=0.05)
+    for p_ref, p in zip(reference.parameters(), net.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(torch.tensor(net.norms), torch.tensor(reference.norms), rtol=1e-5, atol=1e-7)
+    for state, state_ref in zip(optimizer.state.values(), opt_ref.state.values()):
+        for key, value in state.items():
+            if key != "step":
+                assert value._root is None, key  # its own array, not a view into a flat one
+        _compare_state({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}, state_ref)
+    assert net.programs[1:] == [1] * (steps - 1), capture.fused_steps
+
+
+def test_a_layout_not_known_is_refused(monkeypatch):
+    from bridge.runtime.config import optimizer_state, settings
+
+    monkeypatch.setattr(settings, "optimizer_state", "flta")
+    with pytest.raises(ValueError, match="BRIDGE_OPTIMIZER_STATE='flta'.*'flat' or 'separate'"):
+        optimizer_state()
+
+
+def test_a_parameter_replaced_in_its_group_is_not_repeated_as_the_old_one(captured):
+    """A repeated step checks its groups' parameters by identity: a parameter put in another's
+    place (same count, same group list) takes torch's step, as in torch."""
+
+    def run(device):
+        torch.manual_seed(0)
+        net = Net() if device == "cpu" else Net().to(device)
+        optimizer = O.AdamW(_groups(net, device), lr=1e-2, fused=device != "cpu")
+        data = torch.Generator().manual_seed(1)
+        for step in range(5):
+            if step == 3:
+                replacement = torch.nn.Parameter(net.fc1.bias.detach().clone() + 1)
+                optimizer.param_groups[0]["params"][1] = replacement
+                net.fc1.bias = replacement
+            x = torch.randn(8, 6, generator=data).to(device)
+            optimizer.zero_grad(set_to_none=True)
+            net(x).square().mean().backward()
+            optimizer.step()
+        return net
+
+    reference, net = run("cpu"), run("cuda")
+    for p_ref, p in zip(reference.parameters(), net.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=2e-5, atol=1e-6)
