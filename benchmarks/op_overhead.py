@@ -156,6 +156,38 @@ def _chained(update):
     return call
 
 
+def _floors(torch, jax, jnp, number):
+    """The costs no Python tensor subclass avoids: torch's dispatch of `torch.add` to a
+    `__torch_dispatch__` that returns at once, and making the wrapper tensor of a result; with
+    raw JAX's jitted add beside them, the least a bridge op can cost."""
+
+    class Noop(torch.Tensor):
+        @staticmethod
+        def __new__(cls):
+            return torch.Tensor._make_wrapper_subclass(cls, (64, 64), dtype=torch.float32)
+
+        __torch_function__ = torch._C._disabled_torch_function_impl
+
+        @classmethod
+        def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+            return made
+
+    made, a, b = Noop(), Noop(), Noop()
+    add = jax.jit(jnp.add)
+    x = jnp.ones((64, 64))
+
+    def no_sync(result=None):
+        pass
+
+    return {
+        "torch.add dispatched to a subclass that returns at once": per_call_us(lambda: torch.add(a, b), no_sync, number),
+        "a wrapper subclass tensor made (the result's)": per_call_us(
+            lambda: torch.Tensor._make_wrapper_subclass(Noop, (64, 64), dtype=torch.float32), no_sync, number
+        ),
+        "raw JAX's jitted add of 64x64": per_call_us(lambda: add(x, x), lambda result=None: jax.block_until_ready(result), number),
+    }
+
+
 def main(argv=None):
     global _jit_sum
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -209,6 +241,7 @@ def main(argv=None):
         results[name]["bridge"] = per_call_us(lambda: call(state), sync_bridge, options.number)
         print(f"bridge {name}: {results[name]['bridge']:.1f} us", flush=True)
     bridge.deactivate()
+    floors = _floors(torch, jax, jnp, options.number)
 
     versions = dict(machine.versions(), backend=jax.default_backend())
     rows = ["| op | bridge us | raw JAX us | torch us | bridge / JAX | bridge / torch |", "|---|---|---|---|---|---|"]
@@ -230,9 +263,13 @@ def main(argv=None):
         "Median microseconds a call (7 repeats; the device synchronized at the end of each repeat).\n\n"
         + "\n".join(rows)
         + f"\n\nbridge / raw JAX: median {statistics.median(ratios):.2f}x, largest {max(ratios):.2f}x; "
-        f"above 2x: {', '.join(over) or 'none'}.\n"
+        f"above 2x: {', '.join(over) or 'none'}.\n\n"
+        "What any op of a Python tensor subclass pays before the bridge's own Python (microseconds a call):\n\n"
+        + "\n".join(f"- {name}: {value:.1f}" for name, value in floors.items())
+        + "\n"
     )
-    machine.write_results(options.out, options.name, {"versions": versions, "number": options.number, "results": results, "above_2x": over}, text)
+    data = {"versions": versions, "number": options.number, "results": results, "above_2x": over, "floors": floors}
+    machine.write_results(options.out, options.name, data, text)
     return 0
 
 

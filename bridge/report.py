@@ -52,7 +52,10 @@ def summary_text(data=None):
             if record["reason"] != "first call":
                 lines.append(f"bridge: {record['region']}: {record['reason']}")
         for record in captured["graph_breaks"]:
-            lines.append(f"bridge: graph break in {record['region']}: {record['reason']}, at {record['site']}")
+            lines.append(
+                f"bridge: graph break in {record['region']}: {record['reason']}, at {record['site']}; "
+                f"ran op by op {record['calls']} time(s), {record['seconds']:.2f} s"
+            )
     return "\n".join(lines)
 
 
@@ -112,12 +115,14 @@ def _capture_section(captured):
         for item in captured["compiles"]
     ) or '<tr><td colspan="3">none</td></tr>'
     breaks = "".join(
-        f"<tr><td>{html.escape(item['region'])}</td><td>{html.escape(item['reason'])}</td><td><code>{html.escape(item['site'])}</code></td></tr>"
+        f"<tr><td>{html.escape(item['region'])}</td><td>{html.escape(item['reason'])}</td><td><code>{html.escape(item['site'])}</code></td>"
+        f"<td>{item['calls']}</td><td>{item['seconds']:.2f}</td></tr>"
         for item in captured["graph_breaks"]
-    ) or '<tr><td colspan="3">none</td></tr>'
+    ) or '<tr><td colspan="5">none</td></tr>'
     return (
         f"<h2>Compiled programs</h2><table><tr><th>region</th><th>why compiled</th><th>seconds</th></tr>{compiles}</table>"
-        f"<h2>Graph breaks</h2><table><tr><th>region</th><th>reason</th><th>where</th></tr>{breaks}</table>"
+        "<h2>Graph breaks</h2><table><tr><th>region</th><th>reason</th><th>where</th><th>calls run op by op</th>"
+        f"<th>their seconds</th></tr>{breaks}</table>"
     )
 
 

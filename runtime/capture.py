@@ -692,9 +692,8 @@ def _torch_convention(values):
     conjugates (torch's autograd takes the conjugate Wirtinger derivative; JAX's vjp the plain
     one): conjugated on the way into a JAX pullback and on the way out. Real values pass as
     they are."""
-    return [
-        jax.numpy.conj(value) if value is not None and jax.numpy.iscomplexobj(value) else value for value in values
-    ]
+    # (dtype.kind: jnp.iscomplexobj cost 4 us a value, on each gradient of every backward)
+    return [jax.numpy.conj(value) if value is not None and value.dtype.kind == "c" else value for value in values]
 
 
 def _region_backward(ctx, grads):
@@ -800,6 +799,8 @@ class Break:
     region: str
     reason: str
     site: str
+    calls: int = 0  # the region's calls run eagerly since (the breaking one included)
+    seconds: float = 0.0  # their host time (the device's where a call waits for it)
 
 
 @dataclasses.dataclass
@@ -814,15 +815,43 @@ compiles = []  # Compile records
 fused_steps = {}  # optimizer name -> steps run as one program (bridge/patches/optim.py)
 
 
+def _describe(frame):
+    source = (frame.line or "").strip()
+    where = f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return f"{where}: {source}" if source else where
+
+
+# Where the bridge's packages, JAX's and torch's dispatch machinery live: not where a region's
+# code asked for a value (a library's line is).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+_MACHINERY = tuple(
+    os.path.normpath(path) + os.sep
+    # (a checkout's runtime/, op_mappings/ and bridge/; installed, all three under bridge/)
+    for path in (_HERE, os.path.join(_HERE, "..", "op_mappings"), os.path.join(_HERE, "..", "bridge"), os.path.dirname(jax.__file__))
+) + ((os.path.dirname(_HERE) + os.sep,) if os.path.basename(os.path.dirname(_HERE)) == "bridge" else ()) + (os.path.join(_TORCH, "_ops.py"), os.path.join(_TORCH, "utils") + os.sep)
+
+
+def _machinery(filename):
+    return os.path.abspath(filename).startswith(_MACHINERY)
+
+
 def _user_site(error):
-    """'file:line in function: source' of the innermost user frame of an exception's traceback."""
+    """Where a region broke: 'file:line in function: source' of the innermost user frame of an
+    exception's traceback, and of the library line below it that failed (`(in ...)`: a
+    torch.distributions check, a transformers model's). Where the traceback holds no user frame
+    at all (the region is library code: torch's TransformerEncoder), the user's line that
+    called the region stands first."""
     frames = traceback.extract_tb(error.__traceback__) if error is not None else []
-    for frame in reversed(frames):
-        if not _is_library(os.path.abspath(frame.filename)):
-            source = (frame.line or "").strip()
-            where = f"{frame.filename}:{frame.lineno} in {frame.name}"
-            return f"{where}: {source}" if source else where
-    return "<no user frame>"
+    failed = next((frame for frame in reversed(frames) if not _machinery(frame.filename)), None)
+    user = next((frame for frame in reversed(frames) if not _is_library(os.path.abspath(frame.filename))), None)
+    if user is None:
+        user = next((frame for frame in reversed(traceback.extract_stack()) if not _is_library(os.path.abspath(frame.filename))), None)
+    if user is None and failed is None:
+        return "<no user frame>"
+    if user is None:
+        return f"in {_describe(failed)}"
+    return _describe(user) + ("" if failed is None or failed is user else f" (in {_describe(failed)})")
 
 
 def _reason(error):
@@ -851,6 +880,8 @@ class Region:
         self._state_cache = None
 
     def __call__(self, *args, **kwargs):
+        if self.broken is not None and settings.capture and not settings.tracing:
+            return self._eagerly(args, kwargs)
         if self.broken is not None or not settings.capture or settings.tracing or _forward_ad._current_level >= 0:
             # Forward-mode AD (a dual level is open) runs op by op: a traced program would
             # carry the primal values only.
@@ -981,7 +1012,7 @@ class Region:
                 site,
             ) from error
         try:
-            return self.function(*args, **kwargs)
+            return self._eagerly(args, kwargs)
         except BaseException:
             if not isinstance(error, GraphBreak):
                 # The region fails eagerly too: the script's own error (a shape mismatch), which
@@ -989,6 +1020,16 @@ class Region:
                 breaks.remove(record)
                 self.broken = None
             raise
+
+
+    def _eagerly(self, args, kwargs):
+        """The region's function run op by op, counted against its break (what it costs)."""
+        start = time.perf_counter()
+        try:
+            return self.function(*args, **kwargs)
+        finally:
+            self.broken.calls += 1
+            self.broken.seconds += time.perf_counter() - start
 
 
 def reset():

@@ -205,6 +205,76 @@ def test_graph_break_runs_eagerly_and_is_reported(captured):
     assert _regions("Linear")
 
 
+def test_a_break_in_library_code_names_the_users_line_and_counts_its_cost(captured):
+    """A value needed on the host in library code (torch.distributions validates its arguments
+    with `if not valid.all()`): the break names the user's line (the forward's) and the library
+    line that needed the value, and counts the calls run op by op and their time."""
+
+    class Policy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 2)
+
+        def forward(self, x):
+            mean, log_std = self.fc(x).unbind(-1)
+            return torch.distributions.Normal(mean, log_std.exp()).log_prob(x[:, 0])
+
+    torch.manual_seed(0)
+    reference, model = _pair(Policy())
+    x = torch.randn(3, 4)
+    for _ in range(3):
+        out = model(x.cuda())
+    torch.testing.assert_close(out.cpu(), reference(x), rtol=1e-5, atol=1e-6)
+    (record,) = [record for record in capture.breaks if record.region.startswith("Policy")]
+    assert "test_captured.py" in record.site and "return torch.distributions.Normal(" in record.site, record.site
+    assert "(in " in record.site and "distributions" in record.site.split("(in ")[1], record.site
+    assert record.calls == 3 and record.seconds > 0, record
+    from bridge.report import summary_text
+
+    assert "ran op by op 3 time(s)" in summary_text()
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal-mask", "other-mask"])
+def test_transformer_encoder_with_a_mask_is_captured(captured, causal):
+    """torch's TransformerEncoder asks whether its mask is the causal one (a host bool of a
+    traced comparison); in a trace the mask is applied as given: no break, torch's outputs and
+    gradients."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    reference, model = _pair(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    if causal:
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
+    else:
+        mask = torch.randn(5, 5)
+    for step in range(3):
+        x = torch.randn(2, 5, 16)
+        out_ref = reference(x, mask=mask)
+        out = model(x.cuda(), mask=mask.cuda())
+        torch.testing.assert_close(out.cpu(), out_ref, rtol=1e-5, atol=1e-5)
+        out_ref.square().sum().backward()
+        out.square().sum().backward()
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-4, atol=1e-5)
+    assert not capture.breaks, capture.breaks
+    assert _regions("TransformerEncoder")
+
+
+def test_a_break_in_a_library_region_names_the_calling_line(captured, monkeypatch):
+    """A region whose code is all library code (torch's TransformerEncoder): its break names the
+    user's line that called it, and the library line that failed."""
+    import torch.nn.modules.transformer as transformer
+
+    # torch's own check (`bool((mask == causal).all())`), without the bridge's patch of it
+    monkeypatch.setattr(transformer, "_detect_is_causal_mask", transformer._detect_is_causal_mask.__wrapped__)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).cuda()
+    model(torch.randn(2, 5, 16).cuda(), mask=torch.zeros(5, 5).cuda())  # the calling line
+    (record,) = capture.breaks
+    assert record.site.startswith(__file__) and "# the calling line" in record.site, record.site
+    assert "transformer.py" in record.site.split("(in ")[1], record.site
+
+
 def test_compile_fullgraph_raises_with_the_line(captured):
     def needs_host(x):
         return x * 2 if x.sum().item() > 0 else x

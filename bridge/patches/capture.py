@@ -357,6 +357,19 @@ def is_compiling(wrapped, instance, args, kwargs):
     return settings.tracing > 0 or wrapped(*args, **kwargs)
 
 
+def detect_is_causal_mask(wrapped, instance, args, kwargs):
+    """torch's Transformer layers ask whether a given mask is the causal one
+    (`bool((mask == causal).all())`, a value a trace cannot have) only to pick a fused causal
+    kernel instead of applying the mask. In a trace the answer is "no" unless the caller said
+    `is_causal=True`: the mask is applied as given, which computes the same attention."""
+    if settings.tracing:
+        mask, is_causal = (list(args) + [None, None])[:2]
+        mask, is_causal = kwargs.get("mask", mask), kwargs.get("is_causal", is_causal)
+        if is_causal is None and isinstance(mask, BridgeTensor):
+            return False
+    return wrapped(*args, **kwargs)
+
+
 # ---------------------------------------------------------------- loss.backward()
 
 
@@ -380,4 +393,5 @@ PATCHES = [
     Patch(torch, "compile", replacement=compile),
     Patch(torch.autograd.Function, "apply", replacement=classmethod(_apply)),
     Patch(torch.compiler, "is_compiling", wrapper=is_compiling),
+    Patch(importlib.import_module("torch.nn.modules.transformer"), "_detect_is_causal_mask", wrapper=detect_is_causal_mask),
 ]
