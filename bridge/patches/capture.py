@@ -27,7 +27,7 @@ from bridge.runtime import capture, optimizers
 from bridge.runtime.config import settings
 from bridge.runtime.tensor import BridgeTensor, read_value, read_values, root_of
 
-from . import Patch
+from . import Patch, custom_functions
 
 # ---------------------------------------------------------------- module calls
 
@@ -199,10 +199,11 @@ _function_apply = inspect.getattr_static(torch.autograd.Function, "apply")
 
 
 def _apply(cls, *args, **kwargs):
-    """A custom autograd.Function inside a region: its backward is the user's Python, which a
-    region's JAX gradient would not run, so the region runs eagerly (a graph break)."""
+    """A custom autograd.Function inside a region being traced: its forward and backward traced
+    as a jax.custom_vjp (bridge/patches/custom_functions.py), so that the region's gradient runs
+    the Function's backward. The bridge's own Functions (its regions') run as they are."""
     if settings.tracing and not cls.__module__.startswith("bridge.runtime."):
-        raise capture.GraphBreak(f"the custom autograd.Function {cls.__qualname__} runs inside; its backward is Python")
+        return custom_functions.traced_apply(cls, args, kwargs)
     return _function_apply.__get__(None, cls)(*args, **kwargs)
 
 
