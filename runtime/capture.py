@@ -52,6 +52,8 @@ from .tensor import BridgeTensor, read_value, root_of, write_value
 MAX_PROGRAMS = 8
 # Traces redone to take in tensors found from outside the region.
 MAX_RETRACES = 3
+# Eager runs of a region to learn the values its code needs on the host (Region._learn).
+MAX_LEARNS = 4
 
 
 class GraphBreak(BridgeError):
@@ -70,6 +72,39 @@ class _FreeTensors(Exception):
 # ---------------------------------------------------------------- the trace in progress
 
 _trace = None  # the _Trace being recorded, or None
+_recording = None  # the _Recorder of a region's eager run that learns its host values, or None
+
+
+_FLOAT_NEEDED = (
+    "a {kind} value computed in the region is needed on the host (.item()): a compiled program is kept for "
+    "the bool and integer values it was traced with, not for other values"
+)
+
+
+class _NeedsHostValues(Exception):
+    """A trace met a value needed on the host (`bool(t)`, `t.item()`) that it has no value for."""
+
+
+class _GuardFailed(Exception):
+    """A program's values needed on the host came out other than those it was traced with."""
+
+
+def tracing_or_learning():
+    """Whether a region's code runs to be captured: traced, or run eagerly to learn the values it
+    needs on the host (library code must take the same paths in both)."""
+    return settings.tracing > 0 or _recording is not None
+
+
+class _Recorder:
+    """The values a region's eager run asked for on the host, in order (its `.item()`s)."""
+
+    def __init__(self):
+        self.values = []
+
+    def __call__(self, plan, args, kwargs):
+        value = plan(args, kwargs)
+        self.values.append(value)
+        return value
 
 
 def tracing():
@@ -79,9 +114,31 @@ def tracing():
 class _Trace:
     """Bookkeeping of one trace: which roots are state, which outside roots were touched."""
 
-    def __init__(self, roots):
+    def __init__(self, roots, learned=None):
         self.known = {id(root) for root in roots}
         self.free = {}  # id -> (root, value, generation) of outside roots, as they were
+        self.learned = learned  # the values the region's code needed on the host, as learned
+        self.position = 0  # how many of them this trace has asked for
+        self.guards = []  # the traced values it took learned values for (the program returns them)
+        self.expected = []  # the learned value of each
+
+    def host_value(self, plan, args, kwargs):
+        """A value the region's code needs on the host: a traced bool or integer is taken as
+        learned (the program returns it, and a run that computes another is redone, see
+        _check_guards); a constant of the trace is computed."""
+        position = self.position
+        self.position += 1
+        array = read_value(args[0])
+        if not isinstance(array, jax.core.Tracer):
+            return plan(args, kwargs)
+        if self.learned is None or position >= len(self.learned):
+            raise _NeedsHostValues(position)
+        value = self.learned[position]
+        if type(value) not in (bool, int):
+            raise GraphBreak(_FLOAT_NEEDED.format(kind=type(value).__name__))
+        self.guards.append(array.reshape(()))
+        self.expected.append(value)
+        return value
 
     def touch(self, tensor):
         root = root_of(tensor)
@@ -233,6 +290,8 @@ class Program:
     speculate: int = None  # the scalar output whose gradients fused runs compute, or None
     reach: list = None  # per float output, the positions among the differentiated values it depends on
     backward_ahead: bool = False  # compile the backward before the first split forward runs
+    learned: list = None  # the values the region's code needed on the host, as its eager run gave them
+    expected: list = None  # those the trace took as learned (its guards'), in order
 
 
 def _traced(value):
@@ -283,8 +342,9 @@ def _trace_body(function, program, watched=None):
         roots = program.roots
         saved = [(root._value, root._generation) for root in roots]
         saved_key = random._state["key"]
-        trace = _Trace(roots)
+        trace = _Trace(roots, program.learned)
         previous_trace = _trace
+        previous_host_hook = tensor_module.host_value_hook
         try:
             for root, value in zip(roots, root_values):
                 root._value = value
@@ -300,6 +360,7 @@ def _trace_body(function, program, watched=None):
             torch.clear_autocast_cache()
             _trace = trace
             tensor_module.trace_hook = trace.touch
+            tensor_module.host_value_hook = trace.host_value
             settings.tracing += 1
             outer_for_grad = settings.tracing_for_grad
             settings.tracing_for_grad = program.grad
@@ -318,6 +379,7 @@ def _trace_body(function, program, watched=None):
                 settings.tracing_for_grad = outer_for_grad
                 _trace = previous_trace
                 tensor_module.trace_hook = None if previous_trace is None else previous_trace.touch
+                tensor_module.host_value_hook = previous_host_hook
                 leaked = watch.restore() if watch is not None else []
             if leaked:
                 raise GraphBreak(
@@ -350,7 +412,8 @@ def _trace_body(function, program, watched=None):
             ]
             mutated = [roots[position]._value for position in program.mutated_roots]
             written = [read_value(inputs[position]) for position in program.mutated_inputs]
-            return arrays, mutated, written, random._state["key"]
+            program.expected = trace.expected
+            return arrays, mutated, written, random._state["key"], trace.guards
         finally:
             torch.clear_autocast_cache()
             trace.restore_free()
@@ -458,10 +521,10 @@ def _build(program, options):
     def differentiable(diff_roots, diff_inputs, other_roots, other_inputs, key):
         root_values = _merge(diff_roots, other_roots, program.diff_roots, n_roots)
         input_values = _merge(diff_inputs, other_inputs, program.diff_inputs, n_inputs)
-        arrays, mutated, written, new_key = body(root_values, input_values, key)
+        arrays, mutated, written, new_key, guards = body(root_values, input_values, key)
         floats = [array for array, is_float in zip(arrays, program.out_float) if is_float]
         others = [array for array, is_float in zip(arrays, program.out_float) if not is_float]
-        return floats, (others, mutated, written, new_key)
+        return floats, (others, mutated, written, new_key, guards)
 
     def forward(diff_roots, diff_inputs, other_roots, other_inputs, key):
         def function(d_roots, d_inputs):
@@ -600,12 +663,23 @@ def _outputs(program, arrays):
     return tensors, leaves
 
 
+def _check_guards(program, guards):
+    """Before a run's results are used: the values its code needed on the host must be those it
+    was traced with (one small copy to the host, which waits for the program)."""
+    if not guards:
+        return
+    found = [value.item() for value in jax.device_get(guards)]
+    if found != program.expected:
+        raise _GuardFailed(found)
+
+
 def run(program, input_tensors):
     """Run a compiled program on the current values; returns the region's result."""
     root_values, input_values = _gather(program, input_tensors)
     key = random.current_key()
     if not program.grad:
-        arrays, mutated, written, new_key = program.infer(root_values, input_values, key)
+        arrays, mutated, written, new_key, guards = program.infer(root_values, input_values, key)
+        _check_guards(program, guards)
         _write_back(program, input_tensors, mutated, written, new_key)
         _, leaves = _outputs(program, arrays)
         return pytree.tree_unflatten(leaves, program.out_spec)
@@ -638,15 +712,16 @@ class _RegionFunction(torch.autograd.Function):
         primals = (diff_roots, diff_inputs, other_roots, other_inputs, state["key"])
         ctx.gradients = ctx.pullback = None
         if program.speculate is not None:
-            floats, (others, mutated, written, new_key), ctx.gradients = program.fused(*primals, program.speculate)
+            floats, (others, mutated, written, new_key, guards), ctx.gradients = program.fused(*primals, program.speculate)
         elif settings.residuals == "recompute":
-            floats, (others, mutated, written, new_key) = program.primal(*primals)
+            floats, (others, mutated, written, new_key, guards) = program.primal(*primals)
         else:
             if program.backward_ahead:
                 program.backward_ahead = False
                 _compile_backward(program, primals)
-            floats, (others, mutated, written, new_key), residuals = program.forward(*primals)
+            floats, (others, mutated, written, new_key, guards), residuals = program.forward(*primals)
             ctx.pullback = residuals.pullback(primals)
+        _check_guards(program, guards)
         _write_back(program, state["inputs"], mutated, written, new_key)
         floats, others = iter(floats), iter(others)
         arrays = [next(floats) if is_float else next(others) for is_float in program.out_float]
@@ -878,11 +953,13 @@ class Region:
         self.broken = None  # Break, once the region is left to run eagerly
         self.last_key = None
         self._state_cache = None
+        self.learned = {}  # call structure -> the values its code needed on the host (_learn)
+        self.learns = 0
 
     def __call__(self, *args, **kwargs):
-        if self.broken is not None and settings.capture and not settings.tracing:
+        if self.broken is not None and settings.capture and not tracing_or_learning():
             return self._eagerly(args, kwargs)
-        if self.broken is not None or not settings.capture or settings.tracing or _forward_ad._current_level >= 0:
+        if self.broken is not None or not settings.capture or tracing_or_learning() or _forward_ad._current_level >= 0:
             # Forward-mode AD (a dual level is open) runs op by op: a traced program would
             # carry the primal values only.
             return self.function(*args, **kwargs)
@@ -899,13 +976,55 @@ class Region:
                 return self._break(GraphBreak(f"more than {MAX_PROGRAMS} structures compiled"), args, kwargs)
             try:
                 program, result = self._compile(key, leaves, spec, roots, inputs)
+            except (_NeedsHostValues, _GuardFailed) as error:
+                failure, learn = error, True
             except Exception as error:  # noqa: BLE001 - any failure to capture runs the region eagerly
-                failure = error
+                failure, learn = error, False
             else:
                 return result
             # Outside the handler: an error of the eager run is not chained to the trace's.
+            if learn:
+                return self._learn(key, failure, args, kwargs)
             return self._break(failure, args, kwargs)
-        return run(program, inputs)
+        try:
+            return run(program, inputs)
+        except _GuardFailed as failed:
+            del self.programs[key]
+            return self._learn(key, failed, args, kwargs)
+
+    def _learn(self, key, why, args, kwargs):
+        """Run the region eagerly once (its own code and its submodules', op by op), recording the
+        values its code asks for on the host; the next call with this structure traces with
+        them. Called when a trace met such a value with none learned (`_NeedsHostValues`), or a
+        program's run computed others than it was traced with (`_GuardFailed`): a few times per
+        region, then it breaks."""
+        global _recording
+        self.learns += 1
+        if self.learns > MAX_LEARNS:
+            found = f" (the last run found {why.args[0]})" if isinstance(why, _GuardFailed) else ""
+            return self._break(
+                GraphBreak(f"the values its code needs on the host (bool(t), t.item()) changed {MAX_LEARNS} times{found}"),
+                args,
+                kwargs,
+            )
+        recorder, outer, outer_hook = _Recorder(), _recording, tensor_module.host_value_hook
+        _recording, tensor_module.host_value_hook = recorder, recorder
+        start = time.perf_counter()
+        try:
+            result = self.function(*args, **kwargs)
+        finally:
+            _recording, tensor_module.host_value_hook = outer, outer_hook
+        self.learned[key[:2]] = values = recorder.values
+        needed = why.args[0] if isinstance(why, _NeedsHostValues) else None
+        if needed is not None and needed < len(values) and type(values[needed]) not in (bool, int):
+            # A float (a loss logged with .item() inside the forward): no program keeps it.
+            error = GraphBreak(_FLOAT_NEEDED.format(kind=type(values[needed]).__name__))
+            error.__traceback__ = why.__traceback__  # the trace's, at the user's line
+            if self.fullgraph:
+                return self._break(error, args, kwargs)  # raises
+            record = self._record_break(error)
+            record.calls, record.seconds = 1, time.perf_counter() - start
+        return result
 
     def _state(self):
         """The state's roots and their part of the program key, as _roots and _state_key give
@@ -943,9 +1062,17 @@ class Region:
 
     def _compile(self, key, leaves, spec, roots, inputs):
         start = time.perf_counter()
-        reason = "first call" if self.last_key is None else f"recompile: {describe_change(self.last_key, key)} changed"
+        if self.last_key is None:
+            reason = "first call"
+        elif key == self.last_key:
+            reason = "recompile: a value needed on the host changed"
+        else:
+            reason = f"recompile: {describe_change(self.last_key, key)} changed"
+        if self.learned.get(key[:2]):
+            reason += f" (with {len(self.learned[key[:2]])} value(s) needed on the host, from an eager run)"
         for _ in range(MAX_RETRACES):
             program = self._program(leaves, spec, roots, inputs)
+            program.learned = self.learned.get(key[:2])
             try:
                 # Trace once without compiling to see the outputs (is there a loss?) and the
                 # operations (which XLA options suit them).
@@ -1000,11 +1127,15 @@ class Region:
             if len(scalars) == 1:
                 program.speculate = scalars[0]
 
-    def _break(self, error, args, kwargs):
-        site = _user_site(error)
-        record = Break(self.name, _reason(error), site)
+    def _record_break(self, error):
+        record = Break(self.name, _reason(error), _user_site(error))
         self.broken = record
         breaks.append(record)
+        return record
+
+    def _break(self, error, args, kwargs):
+        record = self._record_break(error)
+        site = record.site
         if self.fullgraph:
             raise GraphBreak(
                 f"torch.compile(fullgraph=True) of {self.name} cannot be captured as one XLA program: "
@@ -1020,7 +1151,6 @@ class Region:
                 breaks.remove(record)
                 self.broken = None
             raise
-
 
     def _eagerly(self, args, kwargs):
         """The region's function run op by op, counted against its break (what it costs)."""

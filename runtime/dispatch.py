@@ -67,6 +67,8 @@ def dispatch(func, args, kwargs):
     plan = _plans.get(func)
     if plan is None:
         plan = _make_plan(func)
+    if func is _LOCAL_SCALAR_DENSE and tensor_module.host_value_hook is not None:
+        return tensor_module.host_value_hook(plan, args, kwargs)  # a value a region's trace needs on the host
     stats.op_counts[func] += 1
     start = perf_counter()
     try:
@@ -89,6 +91,7 @@ def dispatch(func, args, kwargs):
 
 
 tensor_module._dispatch = dispatch
+_LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 
 
 # ---------------------------------------------------------------- unwrapping

@@ -356,6 +356,9 @@ def _parse_to(args, kwargs):
 
 # Set by runtime/capture.py: called with every tensor read or written while a region is traced.
 trace_hook = None
+# Set by runtime/capture.py while a region is traced or its host values recorded: runs each
+# `_local_scalar_dense` (`.item()`, `bool(t)`, `int(t)`) as host_value_hook(plan, args, kwargs).
+host_value_hook = None
 
 
 # Counts the changes of a bridge tensor's sizes, dtype or device in place (the Python object

@@ -197,18 +197,51 @@ def test_graph_break_runs_eagerly_and_is_reported(captured):
     torch.manual_seed(0)
     reference, model = _pair(DataDependent())
     x = torch.randn(3, 4)
-    torch.testing.assert_close(model(x.cuda()).cpu(), reference(x), rtol=1e-5, atol=1e-6)
+    for _ in range(2):
+        torch.testing.assert_close(model(x.cuda()).cpu(), reference(x), rtol=1e-5, atol=1e-6)
     (record,) = capture.breaks
     assert record.region.startswith("DataDependent")
     assert "test_captured.py" in record.site and ".item()" in record.site
-    # Its submodule is captured in its place.
+    assert "float value" in record.reason, record.reason  # (bool and integer values are kept: see below)
+    # The first call ran all of it op by op (learning what it needs on the host); from the
+    # second, its submodule is captured in its place.
     assert _regions("Linear")
 
 
 def test_a_break_in_library_code_names_the_users_line_and_counts_its_cost(captured):
-    """A value needed on the host in library code (torch.distributions validates its arguments
-    with `if not valid.all()`): the break names the user's line (the forward's) and the library
-    line that needed the value, and counts the calls run op by op and their time."""
+    """Library code that needs data on the host (pack_padded_sequence copies lengths given on
+    the device to the CPU): the break names the user's line (the forward's) and the library
+    line below it, and counts the calls run op by op and their time."""
+
+    class Packer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rnn = torch.nn.GRU(4, 3, batch_first=True)
+
+        def forward(self, x, lengths):
+            packed = torch.nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True, enforce_sorted=False)
+            return self.rnn(packed)[1]
+
+    torch.manual_seed(0)
+    reference, model = _pair(Packer())
+    x, lengths = torch.randn(3, 5, 4), torch.tensor([5, 2, 4])
+    for _ in range(3):
+        out = model(x.cuda(), lengths.cuda())
+    torch.testing.assert_close(out.cpu(), reference(x, lengths), rtol=1e-5, atol=1e-6)
+    (record,) = [record for record in capture.breaks if record.region.startswith("Packer")]
+    assert "test_captured.py" in record.site and "packed = torch.nn.utils.rnn.pack_padded_sequence(" in record.site, record.site
+    assert "(in " in record.site and "rnn.py" in record.site.split("(in ")[1], record.site
+    assert record.calls == 3 and record.seconds > 0, record
+    from bridge.report import summary_text
+
+    assert "ran op by op 3 time(s)" in summary_text()
+
+
+def test_values_library_code_needs_on_the_host_are_kept_in_the_program(captured):
+    """torch.distributions checks its arguments (`if not valid.all(): raise`), a bool the
+    program cannot have while traced: the first call runs op by op and learns it, later calls
+    run one program that returns the bool too and redo the call op by op if it ever differs. No
+    break; torch's values and gradients."""
 
     class Policy(torch.nn.Module):
         def __init__(self):
@@ -217,21 +250,50 @@ def test_a_break_in_library_code_names_the_users_line_and_counts_its_cost(captur
 
         def forward(self, x):
             mean, log_std = self.fc(x).unbind(-1)
-            return torch.distributions.Normal(mean, log_std.exp()).log_prob(x[:, 0])
+            return torch.distributions.Normal(mean, log_std.exp()).log_prob(x[:, 0]).sum()
 
     torch.manual_seed(0)
     reference, model = _pair(Policy())
-    x = torch.randn(3, 4)
     for _ in range(3):
-        out = model(x.cuda())
-    torch.testing.assert_close(out.cpu(), reference(x), rtol=1e-5, atol=1e-6)
-    (record,) = [record for record in capture.breaks if record.region.startswith("Policy")]
-    assert "test_captured.py" in record.site and "return torch.distributions.Normal(" in record.site, record.site
-    assert "(in " in record.site and "distributions" in record.site.split("(in ")[1], record.site
-    assert record.calls == 3 and record.seconds > 0, record
-    from bridge.report import summary_text
+        x = torch.randn(3, 4)
+        loss_ref, loss = reference(x), model(x.cuda())
+        loss_ref.backward()
+        loss.backward()
+        assert float(loss.detach()) == pytest.approx(float(loss_ref.detach()), rel=1e-5, abs=1e-6)
+    torch.testing.assert_close(model.fc.weight.grad.cpu(), reference.fc.weight.grad, rtol=1e-5, atol=1e-6)
+    assert not capture.breaks, capture.breaks
+    (record,) = _regions("Policy")
+    assert "value(s) needed on the host, from an eager run" in record.reason, record
 
-    assert "ran op by op 3 time(s)" in summary_text()
+
+def test_a_changed_host_value_reruns_the_call_and_relearns(captured):
+    """A branch on a data-dependent bool: a run whose bool differs from the one traced is redone
+    op by op (its results and state writes dropped) and the region learns the new value; after
+    a few changes the region breaks. Every call gives torch's result."""
+
+    class Branchy(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.bn = torch.nn.BatchNorm1d(4)
+
+        def forward(self, x):
+            y = self.bn(self.fc(x))
+            if (x.sum() > 0).item():
+                return y * 2
+            return y - 1
+
+    torch.manual_seed(0)
+    reference, model = _pair(Branchy())
+    signs = [1, 1, 1, -1, -1, 1, -1, 1, -1, 1]
+    for sign in signs:
+        x = torch.randn(3, 4).abs() * sign
+        torch.testing.assert_close(model(x.cuda()).cpu(), reference(x), rtol=1e-5, atol=1e-5)
+    # BatchNorm's running statistics were updated once per call, as in torch
+    torch.testing.assert_close(model.bn.running_mean.cpu(), reference.bn.running_mean, rtol=1e-5, atol=1e-6)
+    assert model.bn.num_batches_tracked.item() == len(signs)
+    (record,) = capture.breaks
+    assert "changed 4 times" in record.reason, record
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal-mask", "other-mask"])
@@ -259,20 +321,16 @@ def test_transformer_encoder_with_a_mask_is_captured(captured, causal):
     assert _regions("TransformerEncoder")
 
 
-def test_a_break_in_a_library_region_names_the_calling_line(captured, monkeypatch):
-    """A region whose code is all library code (torch's TransformerEncoder): its break names the
-    user's line that called it, and the library line that failed."""
-    import torch.nn.modules.transformer as transformer
-
-    # torch's own check (`bool((mask == causal).all())`), without the bridge's patch of it
-    monkeypatch.setattr(transformer, "_detect_is_causal_mask", transformer._detect_is_causal_mask.__wrapped__)
+def test_a_break_in_a_library_region_names_the_calling_line(captured):
+    """A region whose code is all library code (torch's AdaptiveLogSoftmaxWithLoss, which selects
+    rows with nonzero(): a shape from data): its break names the user's line that called it,
+    and the library line that failed."""
     torch.manual_seed(0)
-    layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
-    model = torch.nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).cuda()
-    model(torch.randn(2, 5, 16).cuda(), mask=torch.zeros(5, 5).cuda())  # the calling line
+    model = torch.nn.AdaptiveLogSoftmaxWithLoss(8, 10, cutoffs=[4]).cuda()
+    model(torch.randn(6, 8).cuda(), torch.tensor([0, 5, 9, 1, 4, 7]).cuda())  # the calling line
     (record,) = capture.breaks
     assert record.site.startswith(__file__) and "# the calling line" in record.site, record.site
-    assert "transformer.py" in record.site.split("(in ")[1], record.site
+    assert "adaptive.py" in record.site.split("(in ")[1], record.site
 
 
 def test_compile_fullgraph_raises_with_the_line(captured):

@@ -175,7 +175,7 @@ class _ModuleRegion:
 def module_call(wrapped, instance, args, kwargs):
     if (
         not settings.capture
-        or settings.tracing
+        or capture.tracing_or_learning()
         or instance is None
         or type(instance) is CompiledModule
         or not _has_bridge_tensor(args, kwargs)
@@ -355,7 +355,7 @@ def is_compiling(wrapped, instance, args, kwargs):
     it keeps for compilers (HF transformers skips its attention-mask checks, `.all()` on a traced
     mask, and routes MoE experts through its own operator), and torch's optimizers keep their
     scalars as tensors. Eager runs, a region's after a graph break too, see torch's answer."""
-    return settings.tracing > 0 or wrapped(*args, **kwargs)
+    return capture.tracing_or_learning() or wrapped(*args, **kwargs)
 
 
 def detect_is_causal_mask(wrapped, instance, args, kwargs):
@@ -363,7 +363,7 @@ def detect_is_causal_mask(wrapped, instance, args, kwargs):
     (`bool((mask == causal).all())`, a value a trace cannot have) only to pick a fused causal
     kernel instead of applying the mask. In a trace the answer is "no" unless the caller said
     `is_causal=True`: the mask is applied as given, which computes the same attention."""
-    if settings.tracing:
+    if capture.tracing_or_learning():
         mask, is_causal = (list(args) + [None, None])[:2]
         mask, is_causal = kwargs.get("mask", mask), kwargs.get("is_causal", is_causal)
         if is_causal is None and isinstance(mask, BridgeTensor):

@@ -23,6 +23,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bridge.runtime import capture
+from bridge.runtime import tensor as tensor_module
 from bridge.runtime.config import settings
 from bridge.runtime.tensor import BridgeTensor, read_value
 
@@ -53,6 +54,13 @@ def _break(cls, why):
     return capture.GraphBreak(f"the custom autograd.Function {cls.__qualname__} {why}")
 
 
+def _no_host_values(cls):
+    def refuse(plan, args, kwargs):
+        raise _break(cls, "needs a value on the host (bool(t), t.item()) in its forward or backward")
+
+    return refuse
+
+
 def traced_apply(cls, args, kwargs):
     """`cls.apply(*args, **kwargs)` in a region being traced, as a jax.custom_vjp over every
     bridge tensor among the arguments; the backward's gradients go to the positional tensor
@@ -75,12 +83,17 @@ def traced_apply(cls, args, kwargs):
         for position, array, tensor in zip(positions, arrays, inputs):
             call[position] = BridgeTensor(array, tensor._index)
         call_args, call_kwargs = pytree.tree_unflatten(call, spec)
-        with torch.no_grad():  # as torch runs a Function's forward
-            if cls.setup_context is _SETUP_CONTEXT:
-                out = cls.forward(ctx, *call_args, **call_kwargs)
-            else:
-                out = cls.forward(*call_args, **call_kwargs)
-                cls.setup_context(ctx, call_args, out)
+        # (JAX traces the forward more than once: learned host values would not line up.)
+        outer, tensor_module.host_value_hook = tensor_module.host_value_hook, _no_host_values(cls)
+        try:
+            with torch.no_grad():  # as torch runs a Function's forward
+                if cls.setup_context is _SETUP_CONTEXT:
+                    out = cls.forward(ctx, *call_args, **call_kwargs)
+                else:
+                    out = cls.forward(*call_args, **call_kwargs)
+                    cls.setup_context(ctx, call_args, out)
+        finally:
+            tensor_module.host_value_hook = outer
         if getattr(ctx, "dirty_tensors", None):
             raise _break(cls, "writes its inputs in place (mark_dirty)")
         out_leaves, out_spec = pytree.tree_flatten(out)
@@ -125,8 +138,12 @@ def traced_apply(cls, args, kwargs):
                 grads_in.append(BridgeTensor(jnp.zeros(shape, dtype), index) if ctx.materialize_grads else None)
             else:
                 grads_in.append(BridgeTensor(cotangent, index))
-        with torch.no_grad():  # as torch runs a backward (no create_graph)
-            grads = cls.backward(ctx, *grads_in)
+        outer, tensor_module.host_value_hook = tensor_module.host_value_hook, _no_host_values(cls)
+        try:
+            with torch.no_grad():  # as torch runs a backward (no create_graph)
+                grads = cls.backward(ctx, *grads_in)
+        finally:
+            tensor_module.host_value_hook = outer
         grads = grads if isinstance(grads, tuple) else (grads,)
         if len(grads) < len(args):
             raise _break(cls, f"returned {len(grads)} gradient(s) from backward for {len(args)} input(s)")
