@@ -902,9 +902,16 @@ _HERE = os.path.dirname(os.path.abspath(__file__))
 _TORCH = os.path.dirname(os.path.abspath(torch.__file__))
 _MACHINERY = tuple(
     os.path.normpath(path) + os.sep
-    # (a checkout's runtime/, op_mappings/ and bridge/; installed, all three under bridge/)
-    for path in (_HERE, os.path.join(_HERE, "..", "op_mappings"), os.path.join(_HERE, "..", "bridge"), os.path.dirname(jax.__file__))
-) + ((os.path.dirname(_HERE) + os.sep,) if os.path.basename(os.path.dirname(_HERE)) == "bridge" else ()) + (os.path.join(_TORCH, "_ops.py"), os.path.join(_TORCH, "utils") + os.sep)
+    for path in (
+        # a checkout's runtime/, op_mappings/ and bridge/ (installed, all three sit under bridge/)
+        _HERE,
+        os.path.join(_HERE, "..", "op_mappings"),
+        os.path.join(_HERE, "..", "bridge"),
+        *([os.path.dirname(_HERE)] if os.path.basename(os.path.dirname(_HERE)) == "bridge" else []),
+        os.path.dirname(jax.__file__),
+        os.path.join(_TORCH, "utils"),
+    )
+) + (os.path.join(_TORCH, "_ops.py"),)
 
 
 def _machinery(filename):
