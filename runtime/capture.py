@@ -34,6 +34,7 @@ import operator
 import os
 import time
 import traceback
+import weakref
 
 import jax
 import jax.extend.core as jax_core
@@ -165,6 +166,8 @@ def _is_float(dtype):
 
 
 def _leaf_key(leaf):
+    if isinstance(leaf, _Carried):
+        return ("C", leaf.description)
     if isinstance(leaf, BridgeTensor):
         return ("T", tuple(leaf.shape), leaf.dtype, leaf.requires_grad, leaf._index)
     if isinstance(leaf, torch.Tensor):
@@ -198,6 +201,124 @@ class Static:
 
 # Python values a program can be specialized on (they are part of its key).
 _STATIC_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.memory_format, torch.layout, type(Ellipsis), slice, Static)
+
+
+# ---------------------------------------------------------------- argument objects carried through a region
+#
+# An argument object that holds tensors (HF's StaticCache, whose layers keep key and value
+# tensors that each decoding step writes in place) is carried: its tensors become inputs of the
+# program (written back after each run, as any input written in place), its other attributes
+# part of the program's key, and the trace runs on a copy of it holding the trace's tensors. A
+# call that changes the object's attributes (a lazy initialization, DynamicCache's
+# `keys = torch.cat(...)`) runs op by op instead, on the object itself; the next call tries again.
+
+_CARRIED_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
+_SLOT = object()  # where a carried object's copy takes a tensor
+
+
+class _NotCarried(Exception):
+    pass
+
+
+class _CarriedChanged(Exception):
+    """A trace changed the attributes of an argument object it carries."""
+
+
+def _describe_carried(value, tensors, depth=0):
+    """The structure of a carried object (hashable: types, plain values, tensor slots), its
+    tensors appended to `tensors` in order; _NotCarried for anything else it holds."""
+    if isinstance(value, BridgeTensor):
+        tensors.append(value)
+        return "T"
+    if isinstance(value, torch.Tensor):
+        # A host tensor (a cache not yet initialized): a trace would keep its value, so the
+        # program is for this tensor as it is.
+        return ("H", id(value), value._version)
+    if isinstance(value, _CARRIED_PLAIN):
+        return (type(value), value.hex() if isinstance(value, float) else value)
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_describe_carried(item, tensors, depth) for item in value))
+    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+        return (dict, tuple((key, _describe_carried(item, tensors, depth)) for key, item in value.items()))
+    if (
+        depth < 3
+        and not isinstance(value, (torch.Tensor, torch.nn.Module, type))
+        and not callable(value)
+        and isinstance(getattr(value, "__dict__", None), dict)
+    ):
+        return (type(value), tuple((key, _describe_carried(item, tensors, depth + 1)) for key, item in vars(value).items()))
+    raise _NotCarried
+
+
+def _fill(value, tensors):
+    """A carried object's copy with its tensor slots filled from `tensors`, in order."""
+    if value is _SLOT:
+        return next(tensors)
+    if isinstance(value, list):
+        value[:] = [_fill(item, tensors) for item in value]
+    elif isinstance(value, tuple):
+        return type(value)(_fill(item, tensors) for item in value) if not hasattr(value, "_fields") else type(value)(*(_fill(item, tensors) for item in value))
+    elif isinstance(value, dict):
+        for key in value:
+            value[key] = _fill(value[key], tensors)
+    elif isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, _CARRIED_PLAIN):
+        for key, item in list(vars(value).items()):
+            setattr(value, key, _fill(item, tensors))
+    return value
+
+
+class _Carried:
+    """In a call's leaves, where a carried object stands: its structure (part of the key) and
+    the object (weakly: a program keeps this leaf), whose copy the trace runs on."""
+
+    def __init__(self, description, source, count):
+        self.description, self.source, self.count = description, source, count
+
+    def __eq__(self, other):
+        return isinstance(other, _Carried) and other.description == self.description
+
+    def __hash__(self):
+        return hash(self.description)
+
+    def rebuild(self, tensors):
+        """A copy of the object holding these tensors (the trace's) where it holds its own."""
+        import copy
+
+        source = self.source()
+        if source is None:
+            raise GraphBreak("an argument object the region carries was freed before its trace")
+        held = []
+        _describe_carried(source, held)
+        return _fill(copy.deepcopy(source, memo={id(tensor): _SLOT for tensor in held}), iter(tensors))
+
+
+class _CarriedOut:
+    """In a program's outputs, where the region returns a carried object (a model returning its
+    cache): the caller's object is returned there."""
+
+    def __init__(self, number):
+        self.number = number
+
+
+def _carry(leaves):
+    """The call's leaves with each argument object made of plain values, tensors and such
+    objects (to a depth of 3) replaced by a _Carried, those objects' bridge tensors in order,
+    and the objects; other leaves stay (and break the region: see _leaf_key)."""
+    carried, tensors, objects = None, [], []
+    for position, leaf in enumerate(leaves):
+        if isinstance(leaf, _STATIC_TYPES) or isinstance(leaf, torch.Tensor) or not isinstance(getattr(leaf, "__dict__", None), dict):
+            continue
+        held = []
+        try:
+            description = _describe_carried(leaf, held)
+            source = weakref.ref(leaf)
+        except (_NotCarried, TypeError):
+            continue
+        carried = list(leaves) if carried is None else carried
+        carried[position] = _Carried(description, source, len(held))
+        tensors.extend(held)
+        objects.append(leaf)
+    return (leaves if carried is None else carried), tensors, objects
 
 
 def _context_key():
@@ -353,6 +474,12 @@ def _trace_body(function, program, watched=None):
             leaves = list(program.statics)
             for position, tensor in zip(program.tensor_positions, inputs):
                 leaves[position] = tensor
+            extra, copies = iter(inputs[len(program.tensor_positions) :]), []
+            for position, leaf in enumerate(leaves):
+                if isinstance(leaf, _Carried):
+                    given = [next(extra) for _ in range(leaf.count)]
+                    leaves[position] = leaf.rebuild(given)
+                    copies.append((leaf, leaves[position], given))
             args, kwargs = pytree.tree_unflatten(leaves, program.spec)
             random._state["key"] = key
             # autocast caches the casts of parameters for the length of its block: a cast made
@@ -388,10 +515,15 @@ def _trace_body(function, program, watched=None):
                 )
             if trace.free:
                 raise _FreeTensors([entry[0] for entry in trace.free.values()])
+            for leaf, copied, given in copies:
+                _check_carried(leaf, copied, given)
             out_leaves, out_spec = pytree.tree_flatten(result)
             out_statics, positions, arrays = [], [], []
+            returned = {id(copied): number for number, (_, copied, _) in enumerate(copies)}
             for position, leaf in enumerate(out_leaves):
-                if isinstance(leaf, BridgeTensor):
+                if id(leaf) in returned:
+                    out_statics.append(_CarriedOut(returned[id(leaf)]))
+                elif isinstance(leaf, BridgeTensor):
                     positions.append(position)
                     arrays.append(read_value(leaf))
                     out_statics.append(None)
@@ -423,6 +555,18 @@ def _trace_body(function, program, watched=None):
             random._state["key"] = saved_key
 
     return body
+
+
+def _check_carried(leaf, copied, given):
+    """A carried object's copy after the trace: the same attributes, holding the same tensors
+    (written in place or not); else the call changed the object (_CarriedChanged)."""
+    now = []
+    try:
+        same = _describe_carried(copied, now) == leaf.description
+    except _NotCarried:
+        same = False
+    if not same or len(now) != len(given) or any(a is not b for a, b in zip(now, given)):
+        raise _CarriedChanged(type(copied).__name__)
 
 
 def _split(values, positions):
@@ -516,7 +660,7 @@ def _build(program, options):
         program.infer = jax.jit(body, compiler_options=options)
         return
     n_roots = len(program.roots)
-    n_inputs = len(program.tensor_positions)
+    n_inputs = len(program.input_indices)  # the leaves' tensors, then carried objects'
 
     def differentiable(diff_roots, diff_inputs, other_roots, other_inputs, key):
         root_values = _merge(diff_roots, other_roots, program.diff_roots, n_roots)
@@ -673,8 +817,14 @@ def _check_guards(program, guards):
         raise _GuardFailed(found)
 
 
-def run(program, input_tensors):
-    """Run a compiled program on the current values; returns the region's result."""
+def _returned(leaves, objects):
+    """Output leaves with the caller's carried objects where the region returned them."""
+    return [objects[leaf.number] if isinstance(leaf, _CarriedOut) else leaf for leaf in leaves]
+
+
+def run(program, input_tensors, objects=()):
+    """Run a compiled program on the current values; returns the region's result. `objects`:
+    the argument objects it carries (their tensors are at the end of `input_tensors`)."""
     root_values, input_values = _gather(program, input_tensors)
     key = random.current_key()
     if not program.grad:
@@ -682,14 +832,14 @@ def run(program, input_tensors):
         _check_guards(program, guards)
         _write_back(program, input_tensors, mutated, written, new_key)
         _, leaves = _outputs(program, arrays)
-        return pytree.tree_unflatten(leaves, program.out_spec)
+        return pytree.tree_unflatten(_returned(leaves, objects), program.out_spec)
     diff_tensors = [program.owners[i] for i in program.diff_roots] + [input_tensors[i] for i in program.diff_inputs]
     state = {"root_values": root_values, "input_values": input_values, "key": key, "inputs": input_tensors}
     outs = _RegionFunction.apply(program, state, *diff_tensors)
     leaves = list(program.out_statics)
     for position, tensor in zip(program.out_tensor_positions, outs):
         leaves[position] = tensor
-    return pytree.tree_unflatten(leaves, program.out_spec)
+    return pytree.tree_unflatten(_returned(leaves, objects), program.out_spec)
 
 
 class _RegionFunction(torch.autograd.Function):
@@ -962,6 +1112,7 @@ class Region:
         self._state_cache = None
         self.learned = {}  # call structure -> the values its code needed on the host (_learn)
         self.learns = 0
+        self.changes = 0  # calls in a row that changed an argument object's attributes
 
     def __call__(self, *args, **kwargs):
         if self.broken is not None and settings.capture and not tracing_or_learning():
@@ -972,32 +1123,55 @@ class Region:
             return self.function(*args, **kwargs)
         try:
             leaves, spec = pytree.tree_flatten((args, kwargs))
+            leaves, carried, objects = _carry(leaves)
             roots, state_key = self._state()
-            key = ((spec, tuple(_leaf_key(leaf) for leaf in leaves)), _context_key(), state_key)
+            shapes = tuple(_leaf_key(leaf) for leaf in leaves) + tuple(_leaf_key(tensor) for tensor in carried)
+            key = ((spec, shapes), _context_key(), state_key)
         except GraphBreak as error:
             return self._break(error, args, kwargs)
         program = self.programs.get(key)
-        inputs = [leaf for leaf in leaves if isinstance(leaf, BridgeTensor)]
+        inputs = [leaf for leaf in leaves if isinstance(leaf, BridgeTensor)] + carried
         if program is None:
             if len(self.programs) >= MAX_PROGRAMS:
                 return self._break(GraphBreak(f"more than {MAX_PROGRAMS} structures compiled"), args, kwargs)
             try:
-                program, result = self._compile(key, leaves, spec, roots, inputs)
-            except (_NeedsHostValues, _GuardFailed) as error:
+                program, result = self._compile(key, leaves, spec, roots, inputs, objects)
+            except (_NeedsHostValues, _GuardFailed, _CarriedChanged) as error:
                 failure, learn = error, True
             except Exception as error:  # noqa: BLE001 - any failure to capture runs the region eagerly
                 failure, learn = error, False
             else:
+                self.changes = 0
                 return result
             # Outside the handler: an error of the eager run is not chained to the trace's.
+            if isinstance(failure, _CarriedChanged):
+                return self._eagerly_once(failure, args, kwargs)
             if learn:
                 return self._learn(key, failure, args, kwargs)
             return self._break(failure, args, kwargs)
         try:
-            return run(program, inputs)
+            result = run(program, inputs, objects)
+            self.changes = 0
+            return result
         except _GuardFailed as failed:
             del self.programs[key]
             return self._learn(key, failed, args, kwargs)
+
+    def _eagerly_once(self, changed, args, kwargs):
+        """A call that changes an argument object's attributes (a lazy initialization on the first
+        call) runs op by op on the object itself; the next call is traced again. Calls that each
+        change it, with no program run between them, break the region after a few."""
+        self.changes += 1
+        if self.changes > MAX_LEARNS:
+            return self._break(
+                GraphBreak(
+                    f"each call changes the attributes of its argument {changed.args[0]} (HF's DynamicCache grows its "
+                    "tensors with torch.cat on every token); HF's cache_implementation='static' keeps them in place"
+                ),
+                args,
+                kwargs,
+            )
+        return self.function(*args, **kwargs)
 
     def _learn(self, key, why, args, kwargs):
         """Run the region eagerly once (its own code and its submodules', op by op), recording the
@@ -1067,7 +1241,7 @@ class Region:
         self.owners = owners
         return roots
 
-    def _compile(self, key, leaves, spec, roots, inputs):
+    def _compile(self, key, leaves, spec, roots, inputs, objects=()):
         start = time.perf_counter()
         if self.last_key is None:
             reason = "first call"
@@ -1089,7 +1263,7 @@ class Region:
                     program.reach = _reach(jaxpr.jaxpr, program)
                 _build(program, _compiler_options(jaxpr))
                 self._guess_scalar(program)
-                result = run(program, inputs)
+                result = run(program, inputs, objects)
             except _FreeTensors as found:
                 self.extra_roots.extend(found.args[0])
                 roots, state_key = self._state()

@@ -1,0 +1,111 @@
+"""Argument objects carried through captured regions: an object holding tensors (a key-value
+cache) is keyed by its structure, its tensors are the program's inputs and what the region
+writes into them in place is written back to the caller's object; a call that changes the
+object's attributes runs op by op, and calls that each change it break the region with a reason.
+HuggingFace `generate` with `cache_implementation="static"` decodes with one program a token."""
+
+import copy
+
+import pytest
+import torch
+
+from bridge.runtime import capture
+
+
+class Cache:
+    """A user's cache: tensors written in place, a plain attribute read by the forward."""
+
+    def __init__(self, device, scale=1.0):
+        self.totals = torch.zeros(4, device=device)
+        self.steps = torch.zeros((), dtype=torch.long, device=device)
+        self.scale = scale
+
+
+class Accumulating(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x, cache):
+        y = self.fc(x)
+        cache.totals.add_(y.detach().sum(0) * cache.scale)
+        cache.steps.add_(1)
+        return y + cache.totals, cache
+
+
+def test_an_object_written_in_place_is_carried(captured):
+    torch.manual_seed(0)
+    reference = Accumulating()
+    model = copy.deepcopy(reference).to("cuda")
+    data = torch.Generator().manual_seed(1)
+    for scale in (1.0, 1.0, 0.5):
+        cache_ref, cache = Cache("cpu", scale), Cache("cuda", scale)  # a new object each round
+        for _ in range(3):
+            x = torch.randn(2, 4, generator=data)
+            (out_ref, returned_ref), (out, returned) = reference(x, cache_ref), model(x.cuda(), cache)
+            torch.testing.assert_close(out.detach().cpu(), out_ref.detach(), rtol=1e-5, atol=1e-6)
+            assert returned is cache and returned_ref is cache_ref  # the caller's object comes back
+        torch.testing.assert_close(cache.totals.cpu(), cache_ref.totals, rtol=1e-5, atol=1e-6)
+        assert int(cache.steps) == 3
+    assert not capture.breaks, capture.breaks
+    # One program per structure: the third round's scale is part of the key.
+    assert len([record for record in capture.compiles if record.region.startswith("Accumulating")]) == 2, capture.compiles
+
+
+class Growing(torch.nn.Module):
+    def forward(self, x, cache):
+        cache.history = cache.history + [x * 2]  # rebinds an attribute: a replay would not
+        return torch.stack(cache.history).sum(0)
+
+
+class History:
+    def __init__(self):
+        self.history = []
+
+
+def test_an_object_whose_attributes_change_runs_op_by_op_then_breaks(captured):
+    model, history, history_ref = Growing(), History(), History()
+    for step in range(7):
+        x = torch.full((3,), float(step))
+        torch.testing.assert_close(model(x.cuda(), history).cpu(), Growing()(x, history_ref))
+    assert len(history.history) == 7
+    (record,) = capture.breaks
+    assert "changes the attributes of its argument History" in record.reason, record
+    assert record.calls == 7 - 4, record  # four calls ran op by op before it broke
+
+
+transformers = pytest.importorskip("transformers", reason='the HF cases need transformers: pip install -e ".[hf]"')
+
+
+def _gpt2():
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=64, eos_token_id=None)
+    reference = transformers.GPT2LMHeadModel(config).eval()
+    model = transformers.GPT2LMHeadModel(config).eval()
+    model.load_state_dict(reference.state_dict())
+    return reference, model.to("cuda")
+
+
+@pytest.mark.hf
+def test_generate_with_a_static_cache_decodes_with_one_program(captured):
+    reference, model = _gpt2()
+    ids = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, cache_implementation="static")
+    expected = reference.generate(ids, **settings)
+    assert model.generate(ids.cuda(), **settings).cpu().tolist() == expected.tolist()
+    assert not capture.breaks, capture.breaks
+    decode = [record for record in capture.compiles if record.region == "Module._wrapped_call_impl"]
+    assert len(decode) == 1, capture.compiles  # every decoding step, one program
+    compiled = len(capture.compiles)
+    assert model.generate(ids.cuda(), **settings).cpu().tolist() == expected.tolist()
+    assert len(capture.compiles) == compiled, capture.compiles[compiled:]  # a new cache, the same programs
+
+
+@pytest.mark.hf
+def test_generate_with_a_dynamic_cache_says_what_to_use(captured):
+    reference, model = _gpt2()
+    ids = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(2))
+    settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert model.generate(ids.cuda(), **settings).cpu().tolist() == reference.generate(ids, **settings).tolist()
+    reasons = {record.reason for record in capture.breaks}
+    assert reasons and all("cache_implementation='static'" in reason for reason in reasons), reasons
