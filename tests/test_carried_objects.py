@@ -74,10 +74,8 @@ def test_an_object_whose_attributes_change_runs_op_by_op_then_breaks(captured):
     assert record.calls == 7 - 4, record  # four calls ran op by op before it broke
 
 
-transformers = pytest.importorskip("transformers", reason='the HF cases need transformers: pip install -e ".[hf]"')
-
-
 def _gpt2():
+    transformers = pytest.importorskip("transformers", reason='the HF cases need transformers: pip install -e ".[hf]"')
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=100, n_positions=64, eos_token_id=None)
     reference = transformers.GPT2LMHeadModel(config).eval()
