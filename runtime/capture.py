@@ -221,7 +221,17 @@ class _NotCarried(Exception):
 
 
 class _CarriedChanged(Exception):
-    """A trace changed the attributes of an argument object it carries."""
+    """A trace changed the attributes of an argument object it carries (or the object holds a
+    host tensor); args: the object's type name, why."""
+
+
+_CHANGED = {
+    "changes its attributes": (
+        "changes the attributes of its argument {name} (HF's DynamicCache grows its tensors with torch.cat on "
+        "every token); HF's cache_implementation='static' keeps them in place"
+    ),
+    "holds a tensor on the host CPU": "passes an argument {name} that holds a tensor on the host CPU; move it to the device",
+}
 
 
 def _describe_carried(value, tensors, depth=0):
@@ -231,9 +241,9 @@ def _describe_carried(value, tensors, depth=0):
         tensors.append(value)
         return "T"
     if isinstance(value, torch.Tensor):
-        # A host tensor (a cache not yet initialized): a trace would keep its value, so the
-        # program is for this tensor as it is.
-        return ("H", id(value), value._version)
+        # A host tensor (a cache not yet initialized): a trace would keep its value as a
+        # constant, so no program is kept for such a call (see _check_carried).
+        return ("H", tuple(value.shape), value.dtype)
     if isinstance(value, _CARRIED_PLAIN):
         return (type(value), value.hex() if isinstance(value, float) else value)
     if isinstance(value, (list, tuple)):
@@ -557,16 +567,25 @@ def _trace_body(function, program, watched=None):
     return body
 
 
+def _holds_host_tensor(description):
+    if isinstance(description, tuple):
+        return (len(description) == 3 and description[0] == "H") or any(map(_holds_host_tensor, description))
+    return False
+
+
 def _check_carried(leaf, copied, given):
     """A carried object's copy after the trace: the same attributes, holding the same tensors
-    (written in place or not); else the call changed the object (_CarriedChanged)."""
+    (written in place or not); else the call changed the object (_CarriedChanged). An object
+    holding a host tensor is not kept in a program either (the trace read it as a constant)."""
+    if _holds_host_tensor(leaf.description):
+        raise _CarriedChanged(type(copied).__name__, "holds a tensor on the host CPU")
     now = []
     try:
         same = _describe_carried(copied, now) == leaf.description
     except _NotCarried:
         same = False
     if not same or len(now) != len(given) or any(a is not b for a, b in zip(now, given)):
-        raise _CarriedChanged(type(copied).__name__)
+        raise _CarriedChanged(type(copied).__name__, "changes its attributes")
 
 
 def _split(values, positions):
@@ -1163,14 +1182,8 @@ class Region:
         change it, with no program run between them, break the region after a few."""
         self.changes += 1
         if self.changes > MAX_LEARNS:
-            return self._break(
-                GraphBreak(
-                    f"each call changes the attributes of its argument {changed.args[0]} (HF's DynamicCache grows its "
-                    "tensors with torch.cat on every token); HF's cache_implementation='static' keeps them in place"
-                ),
-                args,
-                kwargs,
-            )
+            name, why = changed.args
+            return self._break(GraphBreak(f"each call {_CHANGED[why].format(name=name)}"), args, kwargs)
         return self.function(*args, **kwargs)
 
     def _learn(self, key, why, args, kwargs):

@@ -107,3 +107,25 @@ def test_generate_with_a_dynamic_cache_says_what_to_use(captured):
     assert model.generate(ids.cuda(), **settings).cpu().tolist() == reference.generate(ids, **settings).tolist()
     reasons = {record.reason for record in capture.breaks}
     assert reasons and all("cache_implementation='static'" in reason for reason in reasons), reasons
+
+
+class Scaled(torch.nn.Module):
+    def forward(self, x, holder):
+        return x * holder.scale.item()
+
+
+class Holder:
+    def __init__(self):
+        self.scale = torch.tensor(3.0)  # on the host
+
+
+def test_an_object_holding_a_host_tensor_is_not_kept_in_a_program(captured):
+    """A host tensor inside an argument object would be a constant of the trace: such calls run
+    op by op (the right values whatever the tensor holds) and break after four."""
+    model, holder = Scaled(), Holder()
+    for step in range(6):
+        holder.scale.fill_(float(step))
+        x = torch.ones(2)
+        torch.testing.assert_close(model(x.cuda(), holder).cpu(), x * step)
+    (record,) = capture.breaks
+    assert "holds a tensor on the host CPU" in record.reason, record
