@@ -65,15 +65,8 @@ def _adam_per_parameter(params, grads, flat_avgs, flat_sqs, flat_maxes, scalars,
 
 
 def _sgd_per_parameter(params, grads, flat_buffers, lr, clip_grads=None, coefficient=None, **static):
-    grads, clip = optimizers._clipped(grads, clip_grads, coefficient, static["max_norm"], static["norm_type"])
-    buffers = optimizers._split(flat_buffers, params)
-    new_params, new_buffers = [], []
-    for param, grad, buffer in zip(params, grads, buffers):
-        dtype = param.dtype
-        grad = grad + jnp.asarray(static["weight_decay"], dtype) * param
-        buffer = buffer * jnp.asarray(static["momentum"], dtype) + jnp.asarray(1 - static["dampening"], dtype) * grad
-        new_buffers.append(buffer)
-        new_params.append(param + (-lr).astype(dtype) * buffer)
+    """Each parameter's buffer from its slice of the flat array, then joined again."""
+    new_params, new_buffers, clip = _sgd_separate(params, grads, optimizers._split(flat_buffers, params), lr, clip_grads, coefficient, **static)
     return new_params, optimizers._join(new_buffers), clip
 
 
