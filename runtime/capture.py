@@ -214,6 +214,7 @@ _STATIC_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype,
 
 _CARRIED_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 _SLOT = object()  # where a carried object's copy takes a tensor
+_HOST_VALUES = 16  # a carried host tensor of at most this many elements is keyed by its values
 
 
 class _NotCarried(Exception):
@@ -241,8 +242,16 @@ def _describe_carried(value, tensors, depth=0):
         tensors.append(value)
         return "T"
     if isinstance(value, torch.Tensor):
-        # A host tensor (a cache not yet initialized): a trace would keep its value as a
-        # constant, so no program is kept for such a call (see _check_carried).
+        # A host tensor: a trace keeps its value as a constant. A small one of integers (a
+        # counter of a cache not yet initialized, as HF's StaticCache holds) is part of the key
+        # by its values, as value guards specialize on integers (MAX_PROGRAMS bounds how many);
+        # for others no program is kept (see _check_carried).
+        if (
+            value.numel() <= _HOST_VALUES
+            and value.layout == torch.strided
+            and not (value.is_floating_point() or value.is_complex())
+        ):
+            return ("h", tuple(value.shape), value.dtype, tuple(value.reshape(-1).tolist()))
         return ("H", tuple(value.shape), value.dtype)
     if isinstance(value, _CARRIED_PLAIN):
         return (type(value), value.hex() if isinstance(value, float) else value)
@@ -423,6 +432,7 @@ class Program:
     backward_ahead: bool = False  # compile the backward before the first split forward runs
     learned: list = None  # the values the region's code needed on the host, as its eager run gave them
     expected: list = None  # those the trace took as learned (its guards'), in order
+    reshaped: dict = None  # per carried object the call changes: its state after the call (_Reshaped)
 
 
 def _traced(value):
@@ -525,8 +535,14 @@ def _trace_body(function, program, watched=None):
                 )
             if trace.free:
                 raise _FreeTensors([entry[0] for entry in trace.free.values()])
-            for leaf, copied, given in copies:
-                _check_carried(leaf, copied, given)
+            program.reshaped = {}
+            for number, (leaf, copied, given) in enumerate(copies):
+                reshaped = _check_carried(leaf, copied, given)
+                if reshaped is not None:
+                    program.reshaped[number] = reshaped
+            if program.reshaped:
+                # The new tensors of the objects the call changed: outputs after the result's.
+                result = (result, [reshaped.new for reshaped in program.reshaped.values()])
             out_leaves, out_spec = pytree.tree_flatten(result)
             out_statics, positions, arrays = [], [], []
             returned = {id(copied): number for number, (_, copied, _) in enumerate(copies)}
@@ -574,18 +590,79 @@ def _holds_host_tensor(description):
 
 
 def _check_carried(leaf, copied, given):
-    """A carried object's copy after the trace: the same attributes, holding the same tensors
-    (written in place or not); else the call changed the object (_CarriedChanged). An object
-    holding a host tensor is not kept in a program either (the trace read it as a constant)."""
+    """A carried object's copy after the trace: None where it has the same attributes, holding
+    the same tensors (written in place or not); else its state after the call (_Reshaped). An
+    object holding a host tensor, before or after, is not kept in a program (the trace would
+    read it as a constant: _CarriedChanged), nor is one that came to hold what is not carried."""
+    name = type(copied).__name__
     if _holds_host_tensor(leaf.description):
-        raise _CarriedChanged(type(copied).__name__, "holds a tensor on the host CPU")
+        raise _CarriedChanged(name, "holds a tensor on the host CPU")
     now = []
     try:
-        same = _describe_carried(copied, now) == leaf.description
+        description = _describe_carried(copied, now)
     except _NotCarried:
-        same = False
-    if not same or len(now) != len(given) or any(a is not b for a, b in zip(now, given)):
-        raise _CarriedChanged(type(copied).__name__, "changes its attributes")
+        raise _CarriedChanged(name, "changes its attributes") from None
+    if description == leaf.description and len(now) == len(given) and all(a is b for a, b in zip(now, given)):
+        return None
+    if _holds_host_tensor(description):
+        raise _CarriedChanged(name, "holds a tensor on the host CPU")
+    return _Reshaped(copied, now, given)
+
+
+class _Reshaped:
+    """A carried object's state after a call that changed its attributes (a cache's lazy
+    initialization on its first call, as torch.compile carries it): a copy with a slot where it
+    holds a tensor, and per slot the caller's tensor it kept (("in", i): the i-th it was given)
+    or a new one the program returns (("out", j)). Plain values set by the call are those of the
+    trace, which the program's key and guards fix."""
+
+    def __init__(self, copied, now, given):
+        import copy
+
+        positions = {id(tensor): number for number, tensor in enumerate(given)}
+        self.slots, self.new = [], []
+        for tensor in now:
+            if id(tensor) in positions:
+                self.slots.append(("in", positions[id(tensor)]))
+            else:
+                self.slots.append(("out", len(self.new)))
+                self.new.append(tensor)
+        self.template = copy.deepcopy(copied, memo={id(tensor): _SLOT for tensor in now})
+
+    def apply(self, target, given, new):
+        """Give the caller's object `target` this state: `given` its tensors as the call found
+        them, `new` the program's new tensors."""
+        import copy
+
+        tensors = iter([given[i] if kind == "in" else new[i] for kind, i in self.slots])
+        _transplant(target, _fill(copy.deepcopy(self.template, memo={id(_SLOT): _SLOT}), tensors))
+
+
+def _transplant(target, state):
+    """Make `target` hold what `state` holds, keeping the identity of the objects, lists and
+    dicts both have in the same place (a cache's layers stay the objects a caller may hold)."""
+    if isinstance(target, list) and isinstance(state, list):
+        target[:] = [_transplanted(old, new) for old, new in zip(target, state)] + state[len(target) :]
+    elif isinstance(target, dict) and isinstance(state, dict):
+        for key in [key for key in target if key not in state]:
+            del target[key]
+        for key, new in state.items():
+            target[key] = _transplanted(target.get(key), new)
+    else:
+        attributes = vars(target)
+        for key in [key for key in attributes if key not in vars(state)]:
+            delattr(target, key)
+        for key, new in vars(state).items():
+            setattr(target, key, _transplanted(attributes.get(key), new))
+
+
+def _transplanted(old, new):
+    if type(old) is type(new) and (isinstance(new, (list, dict)) or (
+        isinstance(getattr(new, "__dict__", None), dict) and not isinstance(new, (torch.Tensor,) + _CARRIED_PLAIN)
+    )):
+        _transplant(old, new)
+        return old
+    return new
 
 
 def _split(values, positions):
@@ -598,6 +675,24 @@ def _merge(chosen, rest, positions, count):
     for i in range(count):
         merged[i] = next(chosen) if i in wanted else next(rest)
     return merged
+
+
+_last_collection = [0.0]  # seconds the last full collection took
+
+
+def _collect_after(compile_seconds):
+    """A full garbage collection after a long compile. Tracing and compiling leave many objects
+    behind, long-lived (JAX's caches) or garbage in cycles; left to Python's collector, they set
+    off a full collection some steps later (250-300 ms in the middle of ResNet-50's 22nd step on
+    an H100), collected here that time falls in the compiling step. A collection of a heap with
+    torch, JAX and transformers loaded takes ~0.3 s, so it follows only compiles that took five
+    times the last one: after each of a first call's many short ones (programs loaded from the
+    compilation cache) it cost a 2-layer GPT-2's first `generate` 5 of its 10 seconds."""
+    if compile_seconds < 5 * _last_collection[0]:
+        return
+    start = time.perf_counter()
+    gc.collect()
+    _last_collection[0] = time.perf_counter() - start
 
 
 def _compiler_options(jaxpr):
@@ -836,9 +931,23 @@ def _check_guards(program, guards):
         raise _GuardFailed(found)
 
 
-def _returned(leaves, objects):
-    """Output leaves with the caller's carried objects where the region returned them."""
-    return [objects[leaf.number] if isinstance(leaf, _CarriedOut) else leaf for leaf in leaves]
+def _returned(program, leaves, objects, inputs):
+    """The region's result: the output leaves with the caller's carried objects where the region
+    returned them, those objects given the state the call left them in if it changed them."""
+    result = pytree.tree_unflatten(
+        [objects[leaf.number] if isinstance(leaf, _CarriedOut) else leaf for leaf in leaves], program.out_spec
+    )
+    if not program.reshaped:
+        return result
+    result, new = result
+    given, start = [], len(program.tensor_positions)
+    for leaf in program.statics:
+        if isinstance(leaf, _Carried):
+            given.append(inputs[start : start + leaf.count])
+            start += leaf.count
+    for (number, reshaped), tensors in zip(program.reshaped.items(), new):
+        reshaped.apply(objects[number], given[number], tensors)
+    return result
 
 
 def run(program, input_tensors, objects=()):
@@ -851,14 +960,14 @@ def run(program, input_tensors, objects=()):
         _check_guards(program, guards)
         _write_back(program, input_tensors, mutated, written, new_key)
         _, leaves = _outputs(program, arrays)
-        return pytree.tree_unflatten(_returned(leaves, objects), program.out_spec)
+        return _returned(program, leaves, objects, input_tensors)
     diff_tensors = [program.owners[i] for i in program.diff_roots] + [input_tensors[i] for i in program.diff_inputs]
     state = {"root_values": root_values, "input_values": input_values, "key": key, "inputs": input_tensors}
     outs = _RegionFunction.apply(program, state, *diff_tensors)
     leaves = list(program.out_statics)
     for position, tensor in zip(program.out_tensor_positions, outs):
         leaves[position] = tensor
-    return pytree.tree_unflatten(_returned(leaves, objects), program.out_spec)
+    return _returned(program, leaves, objects, input_tensors)
 
 
 class _RegionFunction(torch.autograd.Function):
@@ -1160,7 +1269,7 @@ class Region:
             except Exception as error:  # noqa: BLE001 - any failure to capture runs the region eagerly
                 failure, learn = error, False
             else:
-                self.changes = 0
+                self.changes = 1 if program.reshaped else 0
                 return result
             # Outside the handler: an error of the eager run is not chained to the trace's.
             if isinstance(failure, _CarriedChanged):
@@ -1170,16 +1279,18 @@ class Region:
             return self._break(failure, args, kwargs)
         try:
             result = run(program, inputs, objects)
-            self.changes = 0
+            self.changes = 1 if program.reshaped else 0
             return result
         except _GuardFailed as failed:
             del self.programs[key]
             return self._learn(key, failed, args, kwargs)
 
     def _eagerly_once(self, changed, args, kwargs):
-        """A call that changes an argument object's attributes (a lazy initialization on the first
-        call) runs op by op on the object itself; the next call is traced again. Calls that each
-        change it, with no program run between them, break the region after a few."""
+        """A call that changes an argument object's attributes right after another that did (a
+        cache that grows on every call; a cache's lazy initialization on its first call is kept
+        in a program, see _Reshaped), or one that holds a host tensor, runs op by op on the
+        object itself; the next call is traced again. Calls that each do so, with no program run
+        between them, break the region after a few."""
         self.changes += 1
         if self.changes > MAX_LEARNS:
             name, why = changed.args
@@ -1272,6 +1383,11 @@ class Region:
                 # operations (which XLA options suit them).
                 root_values, input_values = _gather(program, inputs)
                 jaxpr = jax.make_jaxpr(program.body)(root_values, input_values, random.current_key())
+                if program.reshaped and self.changes:
+                    # Two calls in a row that change an argument object (a cache that grows each
+                    # token): one program each would compile one per call.
+                    changed = next(iter(program.reshaped.values())).template
+                    raise _CarriedChanged(type(changed).__name__, "changes its attributes")
                 if program.grad:
                     program.reach = _reach(jaxpr.jaxpr, program)
                 _build(program, _compiler_options(jaxpr))
@@ -1287,11 +1403,7 @@ class Region:
             raise GraphBreak("the region keeps reading new tensors from outside it")
         self.programs[key] = program
         self.last_key = key
-        # Tracing and compiling leave many objects behind, long-lived (JAX's caches) or
-        # garbage in cycles. Left to Python's collector, they set off a full collection some
-        # steps later, 250-300 ms in the middle of ResNet-50's 22nd step on an H100; collected
-        # here, that time falls in the compiling step.
-        gc.collect()
+        _collect_after(time.perf_counter() - start)
         compiles.append(Compile(self.name, reason, time.perf_counter() - start))
         return program, result
 

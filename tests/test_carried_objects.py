@@ -1,8 +1,10 @@
 """Argument objects carried through captured regions: an object holding tensors (a key-value
 cache) is keyed by its structure, its tensors are the program's inputs and what the region
-writes into them in place is written back to the caller's object; a call that changes the
-object's attributes runs op by op, and calls that each change it break the region with a reason.
-HuggingFace `generate` with `cache_implementation="static"` decodes with one program a token."""
+writes into them in place is written back to the caller's object. A call that changes the
+object's attributes (a cache's lazy initialization) is kept in a program that gives the caller's
+object its new state; calls that each change it (a cache that grows) run op by op and then break
+the region with a reason. HuggingFace `generate` with
+`cache_implementation="static"` runs as two programs: the prefill and every decoding step."""
 
 import copy
 
@@ -71,7 +73,52 @@ def test_an_object_whose_attributes_change_runs_op_by_op_then_breaks(captured):
     assert len(history.history) == 7
     (record,) = capture.breaks
     assert "changes the attributes of its argument History" in record.reason, record
-    assert record.calls == 7 - 4, record  # four calls ran op by op before it broke
+    # The first call's change is kept in a program (as a lazy initialization's), the next three
+    # ran op by op, and the fifth broke the region.
+    assert record.calls == 7 - 4, record
+
+
+class LazyLayer:
+    def __init__(self):
+        self.keys, self.ready = None, False
+
+
+class LazyCache:
+    """A cache as HF's StaticCache builds one: its buffers made by the first call, a step counter
+    on the host until then."""
+
+    def __init__(self):
+        self.layers = [LazyLayer(), LazyLayer()]
+        self.seen = torch.tensor(0)
+
+
+class Filling(torch.nn.Module):
+    def forward(self, x, cache):
+        cache.seen = cache.seen.to(x.device)  # the same tensor once it is there
+        for number, layer in enumerate(cache.layers):
+            if not layer.ready:
+                layer.keys, layer.ready = torch.zeros(4, 3, device=x.device), True
+            layer.keys.index_copy_(0, cache.seen.reshape(1), (x * (number + 1)).unsqueeze(0))
+        cache.seen.add_(1)
+        return sum(layer.keys.sum(0) for layer in cache.layers)
+
+
+def test_a_call_that_initializes_an_object_is_kept_in_a_program(captured):
+    """The first call sets the object's attributes (new buffers, flags, a counter moved to the
+    device): one program does so on every fresh object, keeping its inner objects' identity."""
+    model = Filling()
+    for round in range(2):  # the second round's fresh cache replays the first round's programs
+        cache, cache_ref = LazyCache(), LazyCache()
+        layers = list(cache.layers)
+        for step in range(3):
+            x = torch.full((3,), float(step + round))
+            torch.testing.assert_close(model(x.cuda(), cache).cpu(), Filling()(x, cache_ref))
+        assert cache.layers[0] is layers[0] and cache.layers[1] is layers[1]
+        assert cache.layers[1].ready and int(cache.seen) == 3
+        torch.testing.assert_close(cache.layers[1].keys.cpu(), cache_ref.layers[1].keys)
+    assert not capture.breaks, capture.breaks
+    # The initializing call's program, and the one of the calls after it.
+    assert [record.region for record in capture.compiles] == ["Filling (train)"] * 2, capture.compiles
 
 
 def _gpt2():
@@ -92,8 +139,10 @@ def test_generate_with_a_static_cache_decodes_with_one_program(captured):
     expected = reference.generate(ids, **settings)
     assert model.generate(ids.cuda(), **settings).cpu().tolist() == expected.tolist()
     assert not capture.breaks, capture.breaks
-    decode = [record for record in capture.compiles if record.region == "Module._wrapped_call_impl"]
-    assert len(decode) == 1, capture.compiles  # every decoding step, one program
+    # The prefill (which initializes the cache: a _Reshaped program) and every decoding step:
+    # one program each, none for the model's parts.
+    regions = sorted(record.region for record in capture.compiles)
+    assert regions == ["GPT2LMHeadModel (eval)", "Module._wrapped_call_impl"], capture.compiles
     compiled = len(capture.compiles)
     assert model.generate(ids.cuda(), **settings).cpu().tolist() == expected.tolist()
     assert len(capture.compiles) == compiled, capture.compiles[compiled:]  # a new cache, the same programs
