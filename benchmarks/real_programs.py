@@ -19,6 +19,16 @@ Programs (each run as its authors ship it; only command-line flags they offer ar
   resnet50 from timm.create_model, timm's AdamW factory, bf16 autocast, label smoothing,
   timm's clip at 1.0, channels-last batches of 64). Cases: torch eager, torch.compile, the
   bridge. Figure: median ms a step over steps 10-40.
+- vit: the same timm loop on vit_small_patch16_224 (its attention runs through
+  F.scaled_dot_product_attention over 197 tokens, a length cuDNN's fused kernel refuses).
+- generate: HF `generate`, greedy, 128 new tokens from a 64-token prompt, with a GPT-2 (12 x 768,
+  a byte vocabulary) trained 300 steps on the standard library's source first (plain torch),
+  so that its logits have clear margins (benchmarks/programs/hf_generate.py). Cases: torch eager
+  with generate's default (dynamic) cache; torch with a static cache, which HF itself compiles
+  (torch.compile, in the torch.compile column); torch eager with a static cache
+  (disable_compile); the bridge with a static cache; the bridge with the default cache. Figures:
+  median ms a token over 3 calls after the first, the first call's seconds, and whether each
+  case's tokens equal torch eager's.
 - imagenet: pytorch/examples imagenet/main.py -a resnet50 --dummy (DataParallel, SGD, top-1/5
   accuracy each batch; FakeData decoded by its DataLoader workers). Cases: torch eager, the
   bridge. Figure: the script's own averaged batch time at its last progress line within the
@@ -109,18 +119,19 @@ def nanogpt_bench(checkout, scratch, timeout):
     return cases
 
 
-def _script_cases(script, cases_run, scratch, timeout, cache):
+def _script_cases(script, cases_run, scratch, timeout, cache, args=(), commands=None):
     """Run one of benchmarks/programs' scripts per case (torch eager, torch.compile through its
-    `--compile` flag, the bridge); each prints `RESULT {json}`."""
+    `--compile` flag, the bridge, or `commands`: case -> extra arguments, under the bridge when
+    the case's name starts with "bridge"); each prints `RESULT {json}`."""
     script = os.path.join(HERE, "programs", script)
-    commands = {
-        "torch": ([sys.executable, script], None),
-        "torch-compile": ([sys.executable, script, "--compile"], None),
-        "bridge": _bridge([script], os.path.join(scratch, cache)),
-    }
+    commands = commands or {"torch": [], "torch-compile": ["--compile"], "bridge": []}
     cases = {}
     for case in cases_run:
-        command, env = commands[case]
+        extra = [script, *args, *commands[case]]
+        if case.startswith("bridge"):
+            command, env = _bridge(extra, os.path.join(scratch, cache))
+        else:
+            command, env = [sys.executable, *extra], None
         output, seconds, timed_out = _run(command, scratch, timeout, env)
         result = re.findall(r"RESULT (\{.*\})", output)
         cases[case] = {
@@ -139,6 +150,40 @@ def hf_trainer(scratch, timeout):
 
 def timm_train(scratch, timeout):
     return _script_cases("timm_train.py", ("torch", "torch-compile", "bridge"), scratch, timeout, "cache-timm")
+
+
+def vit_train(scratch, timeout):
+    return _script_cases(
+        "timm_train.py", ("torch", "torch-compile", "bridge"), scratch, timeout, "cache-vit", ["--model", "vit_small_patch16_224"]
+    )
+
+
+def hf_generate(scratch, timeout):
+    checkpoint = os.path.join(scratch, "gpt2-bytes.pt")
+    script = os.path.join(HERE, "programs", "hf_generate.py")
+    output, seconds, _ = _run([sys.executable, script, "--checkpoint", checkpoint, "--train", "300"], scratch, timeout)
+    trained = {"train_seconds": round(seconds, 1), "train_tail": output[-300:]}
+    cases = _script_cases(
+        "hf_generate.py",
+        ("torch", "torch-compile", "torch-static-eager", "bridge", "bridge-dynamic"),
+        scratch,
+        timeout,
+        "cache-generate",
+        ["--checkpoint", checkpoint],
+        {
+            "torch": [],
+            "torch-compile": ["--cache", "static"],
+            "torch-static-eager": ["--cache", "static", "--no-compile"],
+            "bridge": ["--cache", "static"],
+            "bridge-dynamic": [],
+        },
+    )
+    reference = cases["torch"].get("tokens")
+    for data in cases.values():
+        tokens = data.pop("tokens", None)
+        data["same_tokens_as_torch"] = tokens is not None and tokens == reference
+    cases["torch"]["training"] = trained
+    return cases
 
 
 def imagenet(checkout, scratch, seconds):
@@ -216,7 +261,15 @@ def report(results, versions, out):
         "|---|---|---|---|---|---|",
     ]
     for program, cases in results.items():
-        key = {"nanogpt-bench": "ms_per_step", "hf-trainer": "ms_per_step", "timm": "ms_per_step", "imagenet": "steady_batch_seconds", "word-lm": "ms_per_batch"}[program]
+        key = {
+            "nanogpt-bench": "ms_per_step",
+            "hf-trainer": "ms_per_step",
+            "timm": "ms_per_step",
+            "vit": "ms_per_step",
+            "generate": "ms_per_token",
+            "imagenet": "steady_batch_seconds",
+            "word-lm": "ms_per_batch",
+        }[program]
         unit = "s/batch" if program == "imagenet" else "ms"
         values = {case: cases.get(case, {}).get(key) for case in ("torch", "torch-compile", "bridge")}
         cell = lambda value: "-" if value is None else f"{value} {unit}"  # noqa: E731
@@ -245,7 +298,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nanogpt", help="a nanoGPT checkout")
     parser.add_argument("--examples", help="a pytorch/examples checkout")
-    parser.add_argument("--programs", default="nanogpt-bench,hf-trainer,timm,imagenet,word-lm")
+    parser.add_argument("--programs", default="nanogpt-bench,hf-trainer,timm,vit,generate,imagenet,word-lm")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--timeout", type=int, default=240, help="seconds per case at most")
     parser.add_argument("--window", type=int, default=75, help="seconds given to each imagenet and word-lm case")
@@ -259,6 +312,10 @@ def main():
             results[program] = hf_trainer(scratch, options.timeout)
         elif program == "timm":
             results[program] = timm_train(scratch, options.timeout)
+        elif program == "vit":
+            results[program] = vit_train(scratch, options.timeout)
+        elif program == "generate":
+            results[program] = hf_generate(scratch, options.timeout)
         elif program == "imagenet":
             results[program] = imagenet(options.examples, scratch, options.window)
         elif program == "word-lm":

@@ -290,18 +290,29 @@ def _cudnn_output(query, key, value, is_causal, attn_mask, scale):
         and _on_gpu()
     ):
         return None
+    # torch's (batch, heads, length, dim) -> JAX's (batch, length, heads, dim)
+    swapped = [jnp.swapaxes(array, 1, 2) for array in (query, key, value)]
+    fused = functools.partial(_cudnn_attention, scale=scale, is_causal=is_causal)
     try:
-        out = jax.nn.dot_product_attention(
-            jnp.swapaxes(query, 1, 2),  # torch's (batch, heads, length, dim) -> JAX's (batch, length, heads, dim)
-            jnp.swapaxes(key, 1, 2),
-            jnp.swapaxes(value, 1, 2),
-            scale=scale,
-            is_causal=is_causal,
-            implementation="cudnn",
-        )
+        if config.settings.tracing_for_grad:
+            # cuDNN's training kernels take fewer shapes (odd lengths: ViT's 197 tokens), and
+            # JAX checks them only when the vjp is traced, after this mapping has returned:
+            # trace it here on shapes alone, so that a refusal falls to XLA's attention.
+            abstract = [jax.ShapeDtypeStruct(array.shape, array.dtype) for array in swapped]
+            jax.eval_shape(lambda *arrays: _pulled_back(fused, arrays), *abstract)
+        out = fused(*swapped)
     except Exception:  # noqa: BLE001 - cuDNN refuses this shape or build: XLA's attention below serves
         return None
     return jnp.swapaxes(out, 1, 2)
+
+
+def _cudnn_attention(query, key, value, scale, is_causal):
+    return jax.nn.dot_product_attention(query, key, value, scale=scale, is_causal=is_causal, implementation="cudnn")
+
+
+def _pulled_back(function, arrays):
+    out, pullback = jax.vjp(function, *arrays)
+    return pullback(out)
 
 
 @register_mapping(aten._scaled_dot_product_flash_attention_for_cpu.default)

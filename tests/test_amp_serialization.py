@@ -134,6 +134,22 @@ def test_load_with_map_location_cuda_lands_on_bridge(bridged):
     assert type(torch.load(buffer, map_location="cpu")["weight"]) is torch.Tensor
 
 
+def test_checkpoint_written_on_a_gpu_machine_loads_onto_the_cpu(bridged, monkeypatch):
+    """A checkpoint whose storages name 'cuda:0' (written by torch on a GPU) loads where
+    map_location says; map_location='cpu' keeps it on the CPU, as torch does."""
+    state = {"weight": torch.randn(3, 3), "step": 7}
+    buffer = io.BytesIO()
+    with monkeypatch.context() as patched:
+        patched.setattr(torch.serialization, "location_tag", lambda storage: "cuda:0")
+        torch.save(state, buffer)
+    for map_location in ("cpu", torch.device("cpu"), {"cuda:0": "cpu"}):
+        buffer.seek(0)
+        loaded = torch.load(buffer, map_location=map_location)
+        assert type(loaded["weight"]) is torch.Tensor and torch.equal(loaded["weight"], state["weight"])
+    buffer.seek(0)
+    assert isinstance(torch.load(buffer)["weight"], BridgeTensor)  # where it was saved: the bridge's 'cuda'
+
+
 def test_load_state_dict_into_bridged_model(bridged):
     source = _model()
     target = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).cuda()

@@ -89,3 +89,52 @@ def test_block_rule_vjp_includes_the_logsumexp_cotangent(bridged):
         np.testing.assert_allclose(mine, theirs, rtol=1e-12, atol=1e-12)
     for mine, theirs in zip(pullback((grad_out, grad_lse)), expected_pullback((grad_out, grad_lse))):
         np.testing.assert_allclose(mine, theirs, rtol=1e-10, atol=1e-10)
+
+
+@jax.custom_vjp
+def _refusing_to_train(query, key, value):
+    """Stands in for cuDNN's fused attention, which refuses some shapes only when it trains
+    (JAX checks them in the vjp's rules, as for ViT's 197 tokens on a GPU)."""
+    weights = jax.nn.softmax(jnp.einsum("bqhd,bkhd->bhqk", query, key).astype(jnp.float32) / np.sqrt(query.shape[-1]), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", weights.astype(value.dtype), value)
+
+
+def _refusing_backward(lengths, grad):
+    # Traced when the region's pullback is, outside the mapping's own code.
+    raise NotImplementedError("Unsupported sequence length Q {}, KV {}.".format(*lengths))
+
+
+_refusing_to_train.defvjp(lambda q, k, v: (_refusing_to_train(q, k, v), (q.shape[1], k.shape[1])), _refusing_backward)
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(16, 48)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).unflatten(-1, (3, 2, 8)).permute(2, 0, 3, 1, 4)
+        return F.scaled_dot_product_attention(q, k, v).sum()
+
+
+def test_a_fused_kernel_refusing_to_train_falls_back_inside_the_region(captured, monkeypatch):
+    """A kernel that refuses a training case leaves the region whole: XLA's attention serves."""
+    from bridge.op_mappings import attention
+    from bridge.runtime import capture
+
+    monkeypatch.setattr(attention, "_on_gpu", lambda: True)
+    monkeypatch.setattr(attention, "_cudnn_attention", lambda q, k, v, scale, is_causal: _refusing_to_train(q, k, v))
+    torch.manual_seed(0)
+    reference = _Attention().to(torch.bfloat16)
+    model = _Attention().to(torch.bfloat16)
+    model.load_state_dict(reference.state_dict())
+    model.cuda()
+    x = torch.randn(2, 7, 16, dtype=torch.bfloat16)  # an odd length, as ViT's
+    for _ in range(2):
+        reference(x).backward()
+        model(x.cuda()).backward()
+    assert not capture.breaks, capture.breaks
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad.cpu(), theirs.grad, rtol=2e-2, atol=2e-2)
+    with torch.no_grad():  # not training: the kernel serves
+        torch.testing.assert_close(model(x.cuda()).cpu(), reference(x), rtol=2e-2, atol=5e-2)

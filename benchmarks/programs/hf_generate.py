@@ -7,7 +7,9 @@ decoding does not meet near-ties that rounding decides (with random weights it d
     python hf_generate.py --checkpoint FILE --train 300        # plain torch: train, save
     python hf_generate.py --checkpoint FILE [--cache static]   # load, generate, time
 
-The second form runs as it is for torch, or under `python -m bridge run` for the bridge. It
+The second form runs as it is for torch, or under `python -m bridge run` for the bridge. With
+`--cache static` on a GPU, torch's run is compiled: HF's generate calls torch.compile on the
+decoding step by itself when the cache is static (`--no-compile` turns that off). It
 prints one line `RESULT {json}`: the seconds of the first `generate` call (tracing and compiling
 included), the median ms a token over the calls after it, the number of new tokens, and the
 tokens themselves (so that runs can be compared)."""
@@ -83,6 +85,8 @@ def generate(options):
     settings = dict(max_new_tokens=options.new_tokens, do_sample=False, pad_token_id=10)
     if options.cache == "static":
         settings["cache_implementation"] = "static"
+    if options.no_compile:
+        settings["disable_compile"] = True  # HF compiles the decoding step on a GPU with a static cache
     seconds, tokens = [], None
     for _ in range(options.repeats + 1):
         start = time.perf_counter()
@@ -97,6 +101,7 @@ def generate(options):
         "ms_per_token": round(statistics.median(seconds[1:]) * 1000 / new, 3),
         "new_tokens": new,
         "cache": options.cache,
+        "prompt_tokens": prompt.shape[1],
         "tokens": tokens,
     }
     print("RESULT " + json.dumps(result), flush=True)
@@ -113,6 +118,7 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
+    parser.add_argument("--no-compile", action="store_true", help="generate(disable_compile=True)")
     options = parser.parse_args()
     if options.train:
         train(options)

@@ -119,7 +119,9 @@ def load(wrapped, instance, args, kwargs):
             target = map_location
         index = everything_to if everything_to is not None else devices.bridge_index(target)
         if index is None:
-            return None if isinstance(target, str) and target.startswith("cpu") else _torch_default(storage, target)
+            # The storage is read onto the CPU first; a None would send it to the location it
+            # was saved from (a checkpoint written on a GPU machine: 'cuda:0').
+            return storage if str(target).startswith("cpu") else _torch_default(storage, target)
         moved[storage.data_ptr()] = index
         return storage
 
