@@ -26,7 +26,8 @@ Programs (each run as its authors ship it; only command-line flags they offer ar
   so that its logits have clear margins (benchmarks/programs/hf_generate.py). Cases: torch eager
   with generate's default (dynamic) cache; torch with a static cache, which HF itself compiles
   (torch.compile, in the torch.compile column); torch eager with a static cache
-  (disable_compile); the bridge with a static cache; the bridge with the default cache. Figures:
+  (disable_compile); the bridge with a static cache, cold and again warm (the compilation cache
+  the first left); the bridge with the default cache (`--generate-cases` picks some). Figures:
   median ms a token over 3 calls after the first, the first call's seconds, and whether each
   case's tokens equal torch eager's.
 - imagenet: pytorch/examples imagenet/main.py -a resnet50 --dummy (DataParallel, SGD, top-1/5
@@ -158,14 +159,18 @@ def vit_train(scratch, timeout):
     )
 
 
-def hf_generate(scratch, timeout):
+GENERATE_CASES = ("torch", "torch-compile", "torch-static-eager", "bridge", "bridge-warm", "bridge-dynamic")
+
+
+def hf_generate(scratch, timeout, only=None):
     checkpoint = os.path.join(scratch, "gpt2-bytes.pt")
     script = os.path.join(HERE, "programs", "hf_generate.py")
     output, seconds, _ = _run([sys.executable, script, "--checkpoint", checkpoint, "--train", "300"], scratch, timeout)
     trained = {"train_seconds": round(seconds, 1), "train_tail": output[-300:]}
+    run = [case for case in GENERATE_CASES if only is None or case in only]
     cases = _script_cases(
         "hf_generate.py",
-        ("torch", "torch-compile", "torch-static-eager", "bridge", "bridge-dynamic"),
+        run,
         scratch,
         timeout,
         "cache-generate",
@@ -175,14 +180,15 @@ def hf_generate(scratch, timeout):
             "torch-compile": ["--cache", "static"],
             "torch-static-eager": ["--cache", "static", "--no-compile"],
             "bridge": ["--cache", "static"],
+            "bridge-warm": ["--cache", "static"],  # again, with the compilation cache the first run left
             "bridge-dynamic": [],
         },
     )
-    reference = cases["torch"].get("tokens")
+    reference = cases.get("torch", {}).get("tokens")
     for data in cases.values():
         tokens = data.pop("tokens", None)
         data["same_tokens_as_torch"] = tokens is not None and tokens == reference
-    cases["torch"]["training"] = trained
+    cases.setdefault("torch", {})["training"] = trained
     return cases
 
 
@@ -302,6 +308,7 @@ def main():
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--timeout", type=int, default=240, help="seconds per case at most")
     parser.add_argument("--window", type=int, default=75, help="seconds given to each imagenet and word-lm case")
+    parser.add_argument("--generate-cases", help=f"a subset of {','.join(GENERATE_CASES)}")
     options = parser.parse_args()
     scratch = tempfile.mkdtemp(prefix="real-programs-")
     results = {}
@@ -315,7 +322,7 @@ def main():
         elif program == "vit":
             results[program] = vit_train(scratch, options.timeout)
         elif program == "generate":
-            results[program] = hf_generate(scratch, options.timeout)
+            results[program] = hf_generate(scratch, options.timeout, options.generate_cases and options.generate_cases.split(","))
         elif program == "imagenet":
             results[program] = imagenet(options.examples, scratch, options.window)
         elif program == "word-lm":

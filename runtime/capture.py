@@ -257,7 +257,7 @@ def _describe_carried(value, tensors, depth=0):
         return (type(value), value.hex() if isinstance(value, float) else value)
     if isinstance(value, (list, tuple)):
         return (type(value), tuple(_describe_carried(item, tensors, depth) for item in value))
-    if isinstance(value, dict) and all(isinstance(key, str) for key in value):
+    if isinstance(value, dict) and all(isinstance(key, (str, int)) for key in value):  # EncoderDecoderCache's is_updated: {layer: bool}
         return (dict, tuple((key, _describe_carried(item, tensors, depth)) for key, item in value.items()))
     if (
         depth < 3
