@@ -697,3 +697,9 @@ def one_hot(self, num_classes=-1):
     # num_classes=-1 (the largest class plus one) is read on the host before the call, as torch
     # reads it: bridge/patches/composites.py routes F.one_hot here with the number resolved.
     return jax.nn.one_hot(self, num_classes, dtype=jnp.int64)
+
+
+@register_mapping(aten.isin.Tensor_Tensor, aten.isin.Tensor_Scalar, aten.isin.Scalar_Tensor)
+def isin(elements, test_elements, *, assume_unique=False, invert=False):
+    # One op where torch's decomposition ran several (HF's generate asks it once a token).
+    return jnp.isin(jnp.asarray(elements), jnp.asarray(test_elements), invert=invert)

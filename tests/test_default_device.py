@@ -2,7 +2,6 @@
 under the bridge: factories make bridge tensors, modules built in the block have their parameters
 on the bridge device. Eager torch on the CPU is the oracle for the values."""
 
-import copy
 
 import pytest
 import torch
@@ -170,3 +169,28 @@ def test_cuda_device_context_switches_the_current_device(bridged):
     with torch.cuda.device(-1):  # torch: a negative index is a no-op
         assert torch.cuda.current_device() == 0
     assert torch.cuda.is_initialized() and torch.cuda._initialized
+
+
+def test_repeated_factories_give_fresh_tensors_of_the_same_values(bridged):
+    """A small deterministic factory's result is kept on the device and shared by later calls with
+    the same arguments: each call still returns a tensor of its own, and what the arguments tell
+    apart (1, 1.0 and True; 0.0 and -0.0; the default dtype) stays apart."""
+    first = torch.arange(5, device="cuda")
+    first.add_(10)  # written in place: the next call's tensor is not
+    second = torch.arange(5, device="cuda")
+    assert second is not first and second.tolist() == [0, 1, 2, 3, 4]
+    made = {repr(value): torch.full((2,), value, device="cuda") for value in (1, 1.0, True, 0.0, -0.0)}
+    for value in (1, 1.0, True, 0.0, -0.0):
+        expected = torch.full((2,), value)
+        assert made[repr(value)].dtype == expected.dtype and torch.equal(made[repr(value)].cpu(), expected)
+    assert torch.copysign(torch.ones(2), made["-0.0"].cpu()).tolist() == [-1.0, -1.0]
+    previous = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        assert torch.zeros(3, device="cuda").dtype == torch.float64
+    finally:
+        torch.set_default_dtype(previous)
+    assert torch.zeros(3, device="cuda").dtype == previous
+    # An array freed under a shared tensor (as a program's donated input is) is made anew.
+    torch.ones(4, device="cuda")._value.delete()
+    assert torch.ones(4, device="cuda").tolist() == [1.0] * 4

@@ -5,6 +5,7 @@ Covers moving tensors (`Tensor.to/cuda`), factory functions called with
 torch.device(...)`), and the `torch.cuda` / `torch.accelerator` queries scripts make.
 """
 
+import collections
 import gc
 import os
 import time
@@ -352,8 +353,59 @@ def _make_on_host(function, args, kwargs):
     return function(first, *args[1:], **kwargs)
 
 
+# Factories whose result the arguments alone decide: their small results are kept on the device
+# (_made), as a loop's `torch.arange(n, device="cuda")` asks for the same tensor every step.
+_DETERMINISTIC_FACTORIES = {"arange", "zeros", "ones", "full", "empty", "tensor", "as_tensor", "scalar_tensor", "eye", "range"}
+_MADE_MAX_ELEMENTS = 1 << 16
+_MADE_MAX_ENTRIES = 256
+_made = collections.OrderedDict()  # key (_made_key) -> jax.Array, the most recently used last
+
+
+def _hashable(value):
+    """A key for a factory's argument that tells apart what gives another tensor (1, 1.0 and
+    True; 0.0 and -0.0), or None where the argument is not plain (a tensor, an array)."""
+    if value is None or isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format, str)):
+        return (type(value).__name__, value)
+    if isinstance(value, (bool, int)):
+        return (type(value).__name__, value)
+    if isinstance(value, float):
+        return ("float", value.hex())
+    if isinstance(value, (list, tuple)):  # torch.Size too
+        items = [_hashable(item) for item in value]
+        return None if any(item is None for item in items) else ("seq", tuple(items))
+    return None
+
+
+def _made_key(function, args, kwargs, index):
+    if function.__name__ not in _DETERMINISTIC_FACTORIES or kwargs.get("requires_grad") or "out" in kwargs:
+        return None
+    parts = [_hashable(value) for value in args] + [_hashable(value) for value in kwargs.values()]
+    if any(part is None for part in parts):
+        return None
+    return (function.__name__, tuple(parts), tuple(kwargs), torch.get_default_dtype(), index)
+
+
 def _make_on_bridge(function, args, kwargs, index):
-    """`function(*args, **kwargs)` (a torch factory whose `device=` names bridge device `index`) as a bridge tensor."""
+    """`function(*args, **kwargs)` (a torch factory whose `device=` names bridge device `index`) as
+    a bridge tensor. The small results of deterministic factories are kept: a later call with the
+    same arguments wraps the same device array (bridge tensors never write into their arrays, so
+    sharing one is safe; one a program's donation freed is made anew), where making it again cost a
+    host tensor and a copy to the device (~8 a token in HF's generate loop)."""
+    key = None if settings.tracing else _made_key(function, args, kwargs, index)
+    if key is not None:
+        array = _made.get(key)
+        if array is not None and not array.is_deleted():
+            _made.move_to_end(key)
+            return BridgeTensor(array, index)
+    result = _make_fresh(function, args, kwargs, index)
+    if key is not None and result.numel() <= _MADE_MAX_ELEMENTS and not result.requires_grad:
+        _made[key] = result._value
+        if len(_made) > _MADE_MAX_ENTRIES:
+            _made.popitem(last=False)
+    return result
+
+
+def _make_fresh(function, args, kwargs, index):
     kwargs = dict(kwargs)
     # An explicit host device, so that a default-device mode (`with torch.device(...)`) leaves it.
     kwargs["device"] = "cpu"
