@@ -433,6 +433,7 @@ class Program:
     learned: list = None  # the values the region's code needed on the host, as its eager run gave them
     expected: list = None  # those the trace took as learned (its guards'), in order
     reshaped: dict = None  # per carried object the call changes: its state after the call (_Reshaped)
+    stored: list = None  # the tensors the forward stores on its modules (_Stored), outputs after the result's
 
 
 def _traced(value):
@@ -445,34 +446,48 @@ def _traced(value):
 
 class _AttributeWatch:
     """The attributes (and buffers) of the region's modules before a trace. A forward that
-    stores a tensor it computed (`self.src_mask = mask`) would leave a tracer there: the
-    attribute is put back as it was, and a trace that otherwise succeeded breaks, since the
-    program's replays would not store anything."""
+    stores a tensor it computed (`self.src_mask = mask`, a mask made on the first call and kept)
+    would leave a tracer there: the attribute is put back as it was, and the tensor becomes an
+    output of the program, which stores it after each run (_Stored)."""
 
     def __init__(self, objects):
         self.saved = [(obj, dict(vars(obj)), dict(getattr(obj, "_buffers", None) or {})) for obj in objects]
 
     def restore(self):
-        """Put back every attribute that now holds a traced tensor; their names."""
+        """Put back every attribute that now holds a traced tensor; a _Stored for each."""
         changed = []
         for obj, attributes, buffers in self.saved:
-            for current, saved in ((vars(obj), attributes), (getattr(obj, "_buffers", None), buffers)):
-                for name in _put_back(current, saved) if current is not None else ():
-                    changed.append(f"{type(obj).__name__}.{name}")
+            for kind, current, saved in (("attribute", vars(obj), attributes), ("buffer", getattr(obj, "_buffers", None), buffers)):
+                for name, value in _put_back(current, saved) if current is not None else ():
+                    changed.append(_Stored(obj, kind, name, value))
         return changed
 
 
+class _Stored:
+    """A tensor a forward stored on one of its modules: where (a weak reference to the module, an
+    attribute or a buffer, the name), and in the trace the traced tensor."""
+
+    def __init__(self, obj, kind, name, value):
+        self.module, self.kind, self.name, self.value = weakref.ref(obj), kind, name, value
+        self.label = f"{type(obj).__name__}.{name}"
+
+    def apply(self, tensor):
+        module = self.module()
+        if module is not None:
+            (module._buffers if self.kind == "buffer" else vars(module))[self.name] = tensor
+
+
 def _put_back(current, saved):
-    """Restore the entries of a dict that a trace set to traced tensors; their names."""
-    names = []
+    """Restore the entries of a dict that a trace set to traced tensors; (name, traced value)s."""
+    found = []
     for name, value in list(current.items()):
         if (name not in saved or saved[name] is not value) and _traced(value):
-            names.append(name)
+            found.append((name, value))
             if name in saved:
                 current[name] = saved[name]
             else:
                 del current[name]
-    return names
+    return found
 
 
 def _trace_body(function, program, watched=None):
@@ -528,11 +543,14 @@ def _trace_body(function, program, watched=None):
                 tensor_module.trace_hook = None if previous_trace is None else previous_trace.touch
                 tensor_module.host_value_hook = previous_host_hook
                 leaked = watch.restore() if watch is not None else []
-            if leaked:
+            kept = [stored for stored in leaked if isinstance(stored.value, BridgeTensor)]
+            if len(kept) < len(leaked):
+                names = ", ".join(stored.label for stored in leaked if stored not in kept)
                 raise GraphBreak(
-                    f"the forward stores a tensor it computes in {', '.join(leaked)}: a compiled replay would "
-                    "not store it, so the module runs eagerly"
+                    f"the forward stores tensors it computes in {names} (not a tensor: a list or another "
+                    "object holding them): a compiled replay would not store them, so the module runs eagerly"
                 )
+            program.stored = kept
             if trace.free:
                 raise _FreeTensors([entry[0] for entry in trace.free.values()])
             program.reshaped = {}
@@ -540,9 +558,12 @@ def _trace_body(function, program, watched=None):
                 reshaped = _check_carried(leaf, copied, given)
                 if reshaped is not None:
                     program.reshaped[number] = reshaped
-            if program.reshaped:
-                # The new tensors of the objects the call changed: outputs after the result's.
-                result = (result, [reshaped.new for reshaped in program.reshaped.values()])
+            if program.reshaped or program.stored:
+                # The new tensors of the objects the call changed and those it stored on its
+                # modules: outputs after the result's.
+                result = (result, [reshaped.new for reshaped in program.reshaped.values()], [stored.value for stored in kept])
+                for stored in kept:
+                    stored.value = None  # the trace's tensor: not kept past the trace
             out_leaves, out_spec = pytree.tree_flatten(result)
             out_statics, positions, arrays = [], [], []
             returned = {id(copied): number for number, (_, copied, _) in enumerate(copies)}
@@ -937,9 +958,11 @@ def _returned(program, leaves, objects, inputs):
     result = pytree.tree_unflatten(
         [objects[leaf.number] if isinstance(leaf, _CarriedOut) else leaf for leaf in leaves], program.out_spec
     )
-    if not program.reshaped:
+    if not (program.reshaped or program.stored):
         return result
-    result, new = result
+    result, new, stored = result
+    for place, tensor in zip(program.stored, stored):
+        place.apply(tensor)
     given, start = [], len(program.tensor_positions)
     for leaf in program.statics:
         if isinstance(leaf, _Carried):
