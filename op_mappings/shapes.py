@@ -3,6 +3,7 @@
 View entries return the view's value; the runtime keeps the aliasing with the base.
 """
 
+import functools
 import math
 
 import jax
@@ -182,11 +183,30 @@ def unsqueeze(self, dim):
 # ---------------------------------------------------------------- slicing
 
 
+def _part(value, dim, start, end, step=1):
+    """value[start:end:step] along dim. On concrete arrays (eager ops, view chains read outside a
+    trace) the start is an argument of a program compiled once per shape: as part of the
+    program, every new offset compiled one more (a loop's `source[i:i + 35]`, as pytorch/examples'
+    word_language_model slices its batches: a compile a batch). In a trace it stays static."""
+    if isinstance(value, jax.core.Tracer) or not isinstance(value, jax.Array) or start == 0:
+        return lax.slice_in_dim(value, start, end, step, axis=dim)
+    count = max(0, -(-(end - start) // step))
+    index = np.int32(start) if value.shape[dim] < 2**31 else np.int64(start)
+    return _offset_part(value, index, dim, count, step)
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3, 4))
+def _offset_part(value, start, dim, count, step):
+    span = (count - 1) * step + 1 if count else 0
+    part = lax.dynamic_slice_in_dim(value, start, span, axis=dim)
+    return lax.slice_in_dim(part, 0, span, step, axis=dim) if step > 1 else part
+
+
 @register_mapping(aten.slice.Tensor, aten.slice_copy.Tensor)
 def slice_(self, dim=0, start=None, end=None, step=1):
     dim = wrap_dim(dim, self.ndim)
     start, end, step = slice_bounds(self.shape[dim], start, end, step)
-    return lax.slice_in_dim(self, start, end, step, axis=dim)
+    return _part(self, dim, start, end, step)
 
 
 @register_mapping(aten.select.int, aten.select_copy.int)
@@ -195,7 +215,8 @@ def select(self, dim, index):
     size = self.shape[dim]
     if not -size <= index < size:
         raise IndexError(f"select(): index {index} out of range for tensor of size {tuple(self.shape)} at dimension {dim}")
-    return lax.index_in_dim(self, index % size, axis=dim, keepdims=False)
+    index %= size
+    return jnp.squeeze(_part(self, dim, index, index + 1), dim)
 
 
 @register_mapping(aten.narrow.default, aten.narrow_copy.default)
@@ -203,7 +224,7 @@ def narrow(self, dim, start, length):
     dim = wrap_dim(dim, self.ndim)
     if start < 0:
         start += self.shape[dim]
-    return lax.slice_in_dim(self, start, start + length, axis=dim)
+    return _part(self, dim, start, start + length)
 
 
 @register_mapping(aten.narrow.Tensor)

@@ -339,3 +339,21 @@ def test_reflection_pad_with_negative_widths_crops():
     values = sample((1, 3, 4, 4))
     check(aten.reflection_pad2d.default, values, [-1, 1, -2, 1])
     check(aten.reflection_pad1d.default, sample((2, 5)), [2, -3])
+
+
+def test_slices_at_new_offsets_share_one_program(bridged):
+    """A loop's slices at ever new offsets (pytorch/examples' `source[i:i + 35]`) reuse one
+    compiled program per shape: the offset is its argument, not part of it."""
+    from bridge.op_mappings import shapes
+
+    source = torch.arange(400.0).reshape(100, 4)
+    on_bridge = source.cuda()
+    before = shapes._offset_part._cache_size()
+    for start in range(1, 60, 7):
+        torch.testing.assert_close(on_bridge[start : start + 35].cpu(), source[start : start + 35])
+        torch.testing.assert_close(on_bridge[start : start + 35 : 3].cpu(), source[start : start + 35 : 3])
+        torch.testing.assert_close(on_bridge.narrow(0, start, 5).cpu(), source.narrow(0, start, 5))
+        torch.testing.assert_close(on_bridge[start].cpu(), source[start])
+        torch.testing.assert_close(on_bridge[:, start % 4].cpu(), source[:, start % 4])
+    # One program for each distinct (shape, dim, length, step): five, whatever the offsets.
+    assert shapes._offset_part._cache_size() - before <= 5
