@@ -522,3 +522,20 @@ def test_composite_ops_below_autograd_match_torch(bridged):
         with torch.inference_mode():
             got = call(logits.to("cuda"), target.to("cuda"), weight.to("cuda"))
         torch.testing.assert_close(got.cpu(), want, rtol=1e-6, atol=1e-6)
+
+
+def test_data_is_an_alias_without_autograd(bridged):
+    """`.data` (made without torch's dispatch for a whole tensor): writes through it reach the
+    tensor, later writes to the tensor show through it, it never requires grad; a view's `.data`
+    is the view's."""
+    for device in ("cpu", "cuda"):
+        weight = nn.Parameter(torch.arange(6.0).reshape(2, 3).to(device))
+        alias = weight.data
+        assert not alias.requires_grad and alias.grad_fn is None and type(alias) is not nn.Parameter
+        alias.add_(torch.ones(2, 3).to(device), alpha=-0.5)
+        with torch.no_grad():
+            weight.mul_(2)
+        assert weight.tolist() == alias.tolist() == [[-1.0, 1.0, 3.0], [5.0, 7.0, 9.0]], device
+        column = weight.detach()[:, 1]
+        column.data.zero_()
+        assert weight[:, 1].tolist() == [0.0, 0.0], device
