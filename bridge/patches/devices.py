@@ -387,10 +387,11 @@ def _made_key(function, args, kwargs, index):
 
 def _make_on_bridge(function, args, kwargs, index):
     """`function(*args, **kwargs)` (a torch factory whose `device=` names bridge device `index`) as
-    a bridge tensor. The small results of deterministic factories are kept: a later call with the
-    same arguments wraps the same device array (bridge tensors never write into their arrays, so
-    sharing one is safe; one a program's donation freed is made anew), where making it again cost a
-    host tensor and a copy to the device (~8 a token in HF's generate loop)."""
+    a bridge tensor. The small integer and bool results of deterministic factories are kept
+    (_shareable): a later call with the same arguments wraps the same device array (bridge tensors
+    never write into their arrays, so sharing one is safe; one freed anyway is made anew), where
+    making it again cost a host tensor and a copy to the device (~8 a token in HF's generate loop:
+    positions, masks, token ids)."""
     key = None if settings.tracing else _made_key(function, args, kwargs, index)
     if key is not None:
         array = _made.get(key)
@@ -398,11 +399,23 @@ def _make_on_bridge(function, args, kwargs, index):
             _made.move_to_end(key)
             return BridgeTensor(array, index)
     result = _make_fresh(function, args, kwargs, index)
-    if key is not None and result.numel() <= _MADE_MAX_ELEMENTS and not result.requires_grad:
+    if key is not None and _shareable(result):
         _made[key] = result._value
         if len(_made) > _MADE_MAX_ENTRIES:
             _made.popitem(last=False)
     return result
+
+
+def _shareable(result):
+    """Whether a factory's result may be kept and shared: small, and of integers or bools (or
+    empty). A floating-point one may become a parameter or optimizer state, whose array an
+    optimizer step donates to XLA (runtime.optimizers): donated, a shared array would be freed
+    under every other tensor holding it."""
+    return (
+        result.numel() <= _MADE_MAX_ELEMENTS
+        and not result.requires_grad
+        and (result.numel() == 0 or not (result.is_floating_point() or result.is_complex()))
+    )
 
 
 def _make_fresh(function, args, kwargs, index):
