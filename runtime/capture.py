@@ -28,6 +28,7 @@ traceable mapping) is a graph break: it is recorded with the user's line and the
 and that region runs eagerly from then on.
 """
 
+import copy
 import dataclasses
 import gc
 import operator
@@ -209,8 +210,9 @@ _STATIC_TYPES = (type(None), bool, int, float, complex, str, bytes, torch.dtype,
 # tensors that each decoding step writes in place) is carried: its tensors become inputs of the
 # program (written back after each run, as any input written in place), its other attributes
 # part of the program's key, and the trace runs on a copy of it holding the trace's tensors. A
-# call that changes the object's attributes (a lazy initialization, DynamicCache's
-# `keys = torch.cat(...)`) runs op by op instead, on the object itself; the next call tries again.
+# call that changes the object's attributes (a lazy initialization) is traced too: the program
+# gives the caller's object the state the call left (_Reshaped); calls that each change it
+# (DynamicCache's `keys = torch.cat(...)` on every token) run op by op, on the object itself.
 
 _CARRIED_PLAIN = (type(None), bool, int, float, str, torch.dtype, torch.device)
 _SLOT = object()  # where a carried object's copy takes a tensor
@@ -269,6 +271,12 @@ def _describe_carried(value, tensors, depth=0):
     raise _NotCarried
 
 
+def _slotted_copy(value, tensors=()):
+    """A deep copy of a carried object (or of a template holding slots) with _SLOT where it
+    holds one of `tensors`; a slot stays the one _SLOT."""
+    return copy.deepcopy(value, memo={id(_SLOT): _SLOT, **{id(tensor): _SLOT for tensor in tensors}})
+
+
 def _fill(value, tensors):
     """A carried object's copy with its tensor slots filled from `tensors`, in order."""
     if value is _SLOT:
@@ -301,14 +309,12 @@ class _Carried:
 
     def rebuild(self, tensors):
         """A copy of the object holding these tensors (the trace's) where it holds its own."""
-        import copy
-
         source = self.source()
         if source is None:
             raise GraphBreak("an argument object the region carries was freed before its trace")
         held = []
         _describe_carried(source, held)
-        return _fill(copy.deepcopy(source, memo={id(tensor): _SLOT for tensor in held}), iter(tensors))
+        return _fill(_slotted_copy(source, held), iter(tensors))
 
 
 class _CarriedOut:
@@ -638,8 +644,6 @@ class _Reshaped:
     trace, which the program's key and guards fix."""
 
     def __init__(self, copied, now, given):
-        import copy
-
         positions = {id(tensor): number for number, tensor in enumerate(given)}
         self.slots, self.new = [], []
         for tensor in now:
@@ -648,15 +652,13 @@ class _Reshaped:
             else:
                 self.slots.append(("out", len(self.new)))
                 self.new.append(tensor)
-        self.template = copy.deepcopy(copied, memo={id(tensor): _SLOT for tensor in now})
+        self.template = _slotted_copy(copied, now)
 
     def apply(self, target, given, new):
         """Give the caller's object `target` this state: `given` its tensors as the call found
         them, `new` the program's new tensors."""
-        import copy
-
         tensors = iter([given[i] if kind == "in" else new[i] for kind, i in self.slots])
-        _transplant(target, _fill(copy.deepcopy(self.template, memo={id(_SLOT): _SLOT}), tensors))
+        _transplant(target, _fill(_slotted_copy(self.template), tensors))
 
 
 def _transplant(target, state):

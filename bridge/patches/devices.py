@@ -364,9 +364,7 @@ _made = collections.OrderedDict()  # key (_made_key) -> jax.Array, the most rece
 def _hashable(value):
     """A key for a factory's argument that tells apart what gives another tensor (1, 1.0 and
     True; 0.0 and -0.0), or None where the argument is not plain (a tensor, an array)."""
-    if value is None or isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format, str)):
-        return (type(value).__name__, value)
-    if isinstance(value, (bool, int)):
+    if value is None or isinstance(value, (bool, int, str, torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return (type(value).__name__, value)
     if isinstance(value, float):
         return ("float", value.hex())
