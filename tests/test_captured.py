@@ -1199,3 +1199,33 @@ def test_data_parallel_on_one_device_is_its_module(captured):
     assert not capture.breaks
     assert [record.region for record in capture.compiles] == ["Sequential (train)"]
     assert list(net.state_dict())[0] == "module.0.weight"
+
+
+class ConvertingInForward(torch.nn.Module):
+    """HF's Switch router: `self.classifier = self.classifier.to(self.dtype)` on every call."""
+
+    def __init__(self):
+        super().__init__()
+        self.classifier = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        self.classifier = self.classifier.to(torch.float32)
+        return self.classifier(x).softmax(-1)
+
+
+def test_a_module_converted_to_what_it_is_in_its_forward_stays_captured(captured):
+    torch.manual_seed(0)
+    reference = ConvertingInForward()
+    model = copy.deepcopy(reference).to("cuda")
+    weight = model.classifier.weight
+    for step in range(3):
+        x = torch.randn(2, 4)
+        reference(x).pow(2).sum().backward()
+        model(x.cuda()).pow(2).sum().backward()
+    assert model.classifier.weight is weight and not weight._chain  # not made a view of another tensor
+    torch.testing.assert_close(weight.grad.cpu(), reference.classifier.weight.grad, rtol=1e-6, atol=1e-7)
+    assert not capture.breaks, capture.breaks
+    assert len(_regions("ConvertingInForward")) == 1, capture.compiles
+    # A conversion that changes something still swaps the parameter, keeping its identity.
+    model.double()
+    assert model.classifier.weight is weight and weight.dtype == torch.float64

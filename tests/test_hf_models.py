@@ -186,8 +186,9 @@ CASES = {
     "switch": Case(
         _switch,
         _seq2seq_inputs,
-        breaks="its expert routing reads a per-expert token count on the host, its attention takes an "
-        "EncoderDecoderCache argument, and its experts' weights are views of one tensor (the regions-survive issue)",
+        breaks="its experts' loop takes the tokens each expert was given (`torch.where` of the routing "
+        "mask): a shape that comes from the data, which no static program holds (torch.compile breaks there "
+        "too); the regions below it (attention, each expert) stay compiled",
         why="top-1 routing with expert capacity, router z-loss and load-balancing loss",
     ),
 }

@@ -83,7 +83,19 @@ def module_apply(wrapped, instance, args, kwargs):
     """`model.cpu()`, `model.to("cpu")` of a module holding bridge tensors. torch hands each
     parameter its host copy through `param.data = host`, which cannot turn a bridge tensor (a
     Python object of another type) into a host tensor; swapping the two objects, as torch does
-    for tensor subclasses, moves the parameter and keeps its identity (optimizers hold it)."""
+    for tensor subclasses, moves the parameter and keeps its identity (optimizers hold it).
+
+    A conversion that changes none of the module's own tensors (`self.classifier =
+    self.classifier.to(self.dtype)` in a forward, as HF's Switch router does on each call)
+    leaves them as they are: torch would swap each for a new Parameter aliasing it, which a
+    captured region's trace cannot do (autograd holds the parameter) and which leaves the
+    parameter a view of another tensor."""
+    fn = args[0] if args else kwargs["fn"]
+    if _changes_nothing(instance, fn):
+        if args[1] if len(args) > 1 else kwargs.get("recurse", True):
+            for child in instance.children():
+                child._apply(fn)
+        return instance
     if any(value._use_count() > 2 for value in instance._parameters.values() if value is not None):
         # torch swaps only tensors that nothing else in C++ holds (an autograd graph's saved
         # tensors); a freed graph caught in a reference cycle still holds them until collected.
@@ -109,6 +121,19 @@ def module_apply(wrapped, instance, args, kwargs):
     finally:
         if swap:
             torch.__future__.set_swap_module_params_on_conversion(False)
+
+
+def _changes_nothing(module, fn):
+    """Whether `fn` returns each of the module's own parameters, their gradients and buffers as
+    they are (all on the bridge). It stops at the first one it changes, whose converted copy is
+    dropped (torch's _apply converts it again)."""
+    tensors = [value for value in module._parameters.values() if value is not None]
+    tensors += [value.grad for value in tensors if value.grad is not None]
+    tensors += [value for value in module._buffers.values() if value is not None]
+    if not all(type(value) is BridgeTensor for value in tensors):
+        return False
+    with torch.no_grad():
+        return all(fn(value) is value for value in tensors)
 
 
 @wrap(torch.nn.DataParallel, "forward")
