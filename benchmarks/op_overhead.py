@@ -60,6 +60,12 @@ def torch_cases(torch, device):
         _, optimizer = model_and_optimizer()
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 1000)
 
+    def manual_sgd(state):
+        # pytorch/examples word_language_model's update
+        model, _ = state
+        for p in model.parameters():
+            p.data.add_(p.grad, alpha=-0.1)
+
     def accuracy_inputs():
         logits, = tensors((64, 1000))
         target = torch.randint(0, 1000, (64,), generator=torch.Generator().manual_seed(1)).to(device)
@@ -93,7 +99,9 @@ def torch_cases(torch, device):
         "cat of two": (lambda: tensors((64, 64), (64, 64)), lambda s: torch.cat([s[0], s[1]])),
         "where": (lambda: tensors((64, 64), (64, 64)), lambda s: torch.where(s[0] > 0, s[0], s[1])),
         "item of a sum": (lambda: tensors((64, 64)), lambda s: s[0].sum().item()),
+        "host tensor to the device 64x64": (lambda: [torch.randn(64, 64)], lambda s: s[0].to(device)),
         # loop-level work, torch only
+        "manual SGD p.data.add_(p.grad), 20 params": (model_and_optimizer, manual_sgd),
         "accuracy top-1/top-5 (imagenet)": (accuracy_inputs, accuracy),
         "zero_grad(set_to_none=True), 20 params": (model_and_optimizer, lambda s: s[1].zero_grad(set_to_none=True)),
         "lr scheduler step": (scheduler, lambda s: s.step()),
@@ -102,6 +110,7 @@ def torch_cases(torch, device):
 
 def jax_cases(jax, jnp):
     """name -> (setup() -> arrays, jitted call). The same ops as jitted programs."""
+    import numpy as np
     from jax import lax
 
     def arrays(*shapes):
@@ -138,6 +147,7 @@ def jax_cases(jax, jnp):
         "cat of two": (lambda: arrays((64, 64), (64, 64)), jit(lambda a, b: jnp.concatenate([a, b]))),
         "where": (lambda: arrays((64, 64), (64, 64)), lambda a, b: where(greater(a), a, b)),
         "item of a sum": (lambda: arrays((64, 64)), lambda a: float(_jit_sum(a))),
+        "host tensor to the device 64x64": (lambda: [np.ones((64, 64), np.float32)], jax.device_put),
     }
 
 

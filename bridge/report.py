@@ -35,6 +35,11 @@ def summary_text(data=None):
         lines.append(
             f"bridge: CPU fallback {fallback['op']} ran {fallback['calls']} time(s), first at {fallback['first_call_site']}"
         )
+    if data.get("host_runs"):
+        lines.append(
+            "bridge: ops whose shapes kept changing ran new shapes on the host rather than compile each: "
+            + ", ".join(f"{op} {count} call(s)" for op, count in list(data["host_runs"].items())[:5])
+        )
     for correction in data["dtype_corrections"]:
         lines.append(f"bridge: mapping of {correction['op']} {correction['detail']}")
     captured = data["capture"]

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import bridge
 from bridge.runtime import stats
+from bridge.runtime.config import settings
 
 BRIDGE_DEVICE = "cuda"
 
@@ -225,9 +226,11 @@ def load_databases():
 
 
 def activate():
-    """Activate the bridge for a sweep (idempotent), the databases imported first."""
+    """Activate the bridge for a sweep (idempotent), the databases imported first. A sweep
+    measures the mappings: no sample runs on the host for being a new shape."""
     load_databases()
     bridge.activate()
+    settings.host_new_shapes = False
     _patched.clear()
 
 

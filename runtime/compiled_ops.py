@@ -19,6 +19,17 @@ from .config import settings
 
 # Static signatures compiled per op before the op runs uncompiled instead.
 MAX_VARIANTS = 12
+# Signatures compiled per op as they come. Past them, a signature of small arrays new to the op
+# runs on the host instead (runtime/dispatch.py), until it comes back after the op has met
+# RECURRENCE_GAP other new ones (a loop's next round: generate's next call), or has come
+# RECURRENCE_COUNT times (a shape every round has): then it compiles. An op whose shapes keep
+# changing (generate's token ids and attention mask, a cache that grows by one position each
+# step) would otherwise compile a program for each shape, ~20-30 ms on a CPU and more on a GPU,
+# to run it once or a few times in a row. A shape that a loop meets again is worth its program:
+# the host path waits for its inputs on the device, where a program call queues behind them.
+EAGER_VARIANTS = 4
+RECURRENCE_GAP = 2
+RECURRENCE_COUNT = 8
 
 _ARRAY = object()
 _SCALAR = object()
@@ -53,7 +64,7 @@ def _from_exact(kind, exact):
 
 def _spec(value, arrays):
     """A hashable description of one argument; its arrays are appended to `arrays`."""
-    if isinstance(value, jax.Array):
+    if isinstance(value, (jax.Array, jax.ShapeDtypeStruct)):  # (the latter: has_compiled_many_but_not's)
         arrays.append(value)
         return _ARRAY
     if isinstance(value, (list, tuple)):
@@ -93,14 +104,24 @@ def _returns_only_tensors(op):
     return bool(returns) and all(str(item.type).startswith("Tensor") for item in returns)
 
 
+# Shaped signatures remembered per op; past them an op's new shapes compile as they come.
+_SHAPES_KEPT = 256
+
+
+def _shaped(key, arrays):
+    return key, tuple((array.shape, array.dtype) for array in arrays)
+
+
 class CompiledEntry:
     """Runs one table entry, compiled per static signature when it can be."""
 
-    __slots__ = ("call", "variants", "enabled", "float_free", "reads_precision")
+    __slots__ = ("call", "variants", "shapes", "seen", "enabled", "float_free", "reads_precision")
 
     def __init__(self, op, call):
         self.call = call
         self.variants = {}
+        self.shapes = set()  # the signatures with their arrays' shapes and dtypes compiled so far
+        self.seen = {}  # those run on the host -> [how many came before, calls] (has_compiled_many_but_not)
         self.float_free = set()  # the signatures compiled so far, with their floats erased
         self.enabled = _returns_only_tensors(op)
         # Whether the entry's trace read torch's matmul or convolution precision: then its
@@ -122,6 +143,26 @@ class CompiledEntry:
             return None
         return self.variants.get(self._key(values, keywords, []))
 
+    def has_compiled_many_but_not(self, values, keywords):
+        """Whether this call would compile a new program (a signature or array shapes not seen
+        yet: jax.jit compiles each) for an op that has compiled EAGER_VARIANTS already, and has
+        not come back often enough to earn one (see RECURRENCE_GAP). The arrays may be
+        jax.ShapeDtypeStructs."""
+        if not (self.enabled and settings.compile_ops) or settings.tracing or len(self.shapes) < EAGER_VARIANTS:
+            return False
+        arrays = []
+        shaped = _shaped(self._key(values, keywords, arrays), arrays)
+        if shaped in self.shapes:
+            return False
+        seen = self.seen.get(shaped)
+        if seen is None:
+            if len(self.seen) >= _SHAPES_KEPT * 16:
+                self.seen.clear()
+            self.seen[shaped] = [len(self.seen), 1]  # how many came before it, how often it came
+            return True
+        seen[1] += 1
+        return len(self.seen) - seen[0] <= RECURRENCE_GAP and seen[1] < RECURRENCE_COUNT
+
     def __call__(self, values, keywords):
         if not (self.enabled and settings.compile_ops) or settings.tracing:
             return self.call(*values, **keywords)
@@ -130,7 +171,10 @@ class CompiledEntry:
         compiled = self.variants.get(key)
         if compiled is not None:
             try:
-                return compiled(arrays)
+                out = compiled(arrays)
+                if len(self.shapes) < _SHAPES_KEPT:
+                    self.shapes.add(_shaped(key, arrays))
+                return out
             except _TRACE_ERRORS:
                 # New array dtypes/shapes retraced into a data-dependent path (a bool mask
                 # where an integer index was compiled): run this op uncompiled from now on.
@@ -156,4 +200,5 @@ class CompiledEntry:
             self.float_free = {_erase_floats(key + (config.precision_settings(),))}
             key = key + (config.precision_settings(),)
         self.variants[key] = compiled
+        self.shapes.add(_shaped(key, arrays))
         return out

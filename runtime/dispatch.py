@@ -23,7 +23,17 @@ from .dtypes import TORCH_TO_JAX
 from .errors import CPUFallbackWarning, DeviceError, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
 from .registry import MAPPINGS, TORCH_GRADIENT, Mapping, mapping_of
 from . import torch_gradients
-from .tensor import BridgeTensor, numpy_to_torch, read_value, root_of, set_wrapper_layout, torch_to_numpy, write_value
+from .tensor import (
+    BridgeTensor,
+    host_array,
+    numpy_to_torch,
+    on_host,
+    read_value,
+    root_of,
+    set_wrapper_layout,
+    torch_to_numpy,
+    write_value,
+)
 from . import tensor as tensor_module
 from .views import ViewStep
 
@@ -109,7 +119,7 @@ def _unwrap(value, index, func=None):
             return jax.device_put(np.zeros(value.shape, TORCH_TO_JAX[value.dtype]), devices.jax_device(index))
         if func is not None and value.dim() and func not in _TAKES_HOST_TENSORS and not _inside_autograd():
             _refuse_two_devices(func, value, index)
-        return jax.device_put(torch_to_numpy(value), devices.jax_device(index))
+        return devices.put(torch_to_numpy(value), index)
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None))):
         return [_unwrap(item, index, func) for item in value]
     return value
@@ -678,6 +688,10 @@ def _mapped_plan(func, mapping):
                 program, index = known
                 out = program(_direct_arrays(args))
                 return _wrap(out, index) if type(out) in (tuple, list) else BridgeTensor(out, index)
+        if direct is not None and settings.host_new_shapes and settings.compile_ops:
+            out = _on_host_if_new_shape(func, call, args, kwargs)
+            if out is not None:
+                return out
         if settings.check_signatures:
             key = _signature(func, args, kwargs)
             if key not in _checked:
@@ -715,6 +729,76 @@ def _mapped_plan(func, mapping):
 
     run.direct, run.entry = direct, call  # for the in-place forms derived from this op
     return run
+
+
+# Elements of an op's array arguments, in all, up to which a signature new to an op that has
+# compiled several already runs on the host (compiled_ops.EAGER_VARIANTS): copying 2**18
+# elements each way costs well under a millisecond, compiling a program tens of them.
+_HOST_ELEMENTS = 1 << 18
+
+
+class _NotForHost(Exception):
+    pass
+
+
+def _abstract(value, sizes):
+    """What _unwrap makes of an argument, with shapes and dtypes in place of arrays (their
+    element counts appended to `sizes`). Not for the host path: a plain torch tensor (it must
+    not silently join the device's) and a floating-point one (torch's CPU kernels round their own
+    way; integers and bools come out the same)."""
+    if type(value) is BridgeTensor:
+        if value.dtype.is_floating_point or value.dtype.is_complex or isinstance(root_of(value)._value, jax.core.Tracer):
+            raise _NotForHost  # (the last: in a trace that is not a region's, a custom Function's backward)
+        sizes.append(value.numel())
+        return jax.ShapeDtypeStruct(tuple(value.shape), TORCH_TO_JAX[value.dtype])
+    if isinstance(value, torch.Tensor):
+        raise _NotForHost
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None))):
+        return [None if item is None else _abstract(item, sizes) for item in value]
+    return value
+
+
+def _on_host_if_new_shape(func, call, args, kwargs):
+    """Run by eager torch on host copies of its arguments when the call would compile a new
+    program for an op that has compiled several already (compiled_ops.EAGER_VARIANTS) and its
+    arrays are small integers or bools (token ids, masks, positions); the result stays on the
+    host until the device needs it (OnHost). None
+    where the call is not for the host, or torch's CPU kernel refuses it (a dtype it lacks):
+    then it compiles as any other. The answer is torch's own, and torch's kernel checks the
+    arguments."""
+    sizes = []
+    try:
+        values = [_abstract(value, sizes) for value in args]
+        keywords = {name: _abstract(value, sizes) for name, value in kwargs.items()}
+    except _NotForHost:
+        return None
+    if not sizes or sum(sizes) > _HOST_ELEMENTS:
+        return None
+    if not call.has_compiled_many_but_not(values, keywords):
+        return None
+    cpu_args = _to_cpu(list(args))
+    cpu_kwargs = {name: _to_cpu(value) for name, value in kwargs.items()}
+    try:
+        result = func(*cpu_args, **cpu_kwargs)
+    except (RuntimeError, NotImplementedError):
+        return None
+    if any(item.is_floating_point() or item.is_complex() for item in _leaves(result) if isinstance(item, torch.Tensor)):
+        return None  # (an integer division's quotient)
+    stats.host_runs[func] += 1
+    return _from_host(result, _bridge_index_in(args, kwargs), keep=not func.is_view)
+
+
+def _from_host(result, index, keep):
+    """A host result as bridge tensors: kept on the host (OnHost) where `keep`, else copied to
+    the device now (a view's result, which the view bookkeeping reads as the device's)."""
+    if isinstance(result, torch.Tensor):
+        array = torch_to_numpy(result)
+        if not array.flags.c_contiguous:
+            array = np.ascontiguousarray(array)  # (which would make a 0-dim array 1-dim)
+        return on_host(array, index) if keep else BridgeTensor(devices.put(array, index), index)
+    if isinstance(result, (list, tuple)):
+        return type(result)(_from_host(item, index, keep) for item in result)
+    return result
 
 
 def _remember_direct(direct, direct_key, args, program, index):
@@ -986,7 +1070,7 @@ def _decomposed_plan(func, decomposition):
 
 def _to_cpu(value):
     if isinstance(value, BridgeTensor):
-        return numpy_to_torch(__import__("numpy").array(read_value(value)))
+        return numpy_to_torch(np.array(host_array(value)))  # a copy: a fallback may write it
     if isinstance(value, (list, tuple)):
         return type(value)(_to_cpu(item) for item in value)
     return value
@@ -1042,7 +1126,7 @@ def _copy_back(target, source, index):
         for item, item_source in zip(target, source):
             _copy_back(item, item_source, index)
     elif isinstance(target, BridgeTensor):
-        replace_contents(target, jax.device_put(torch_to_numpy(source), devices.jax_device(index)))
+        replace_contents(target, devices.put(torch_to_numpy(source), index))
 
 
 def _from_cpu(result, args, kwargs, cpu_args, cpu_kwargs, index):
@@ -1050,7 +1134,7 @@ def _from_cpu(result, args, kwargs, cpu_args, cpu_kwargs, index):
         for original, converted in zip(list(args) + list(kwargs.values()), cpu_args + list(cpu_kwargs.values())):
             if converted is result:
                 return original  # an in-place op returns its (now updated) argument
-        return BridgeTensor(jax.device_put(torch_to_numpy(result), devices.jax_device(index)), index)
+        return BridgeTensor(devices.put(torch_to_numpy(result), index), index)
     if isinstance(result, (list, tuple)):
         return type(result)(_from_cpu(item, args, kwargs, cpu_args, cpu_kwargs, index) for item in result)
     return result

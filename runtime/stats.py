@@ -15,6 +15,7 @@ op_rung = {}  # OpOverload -> rung name
 op_family = {}  # OpOverload -> mapping family (module of op_mappings), None if not mapped
 fallback_sites = {}  # OpOverload -> first user call site
 fallback_calls = collections.Counter()  # OpOverload -> runs on the host CPU (also as part of a derived op)
+host_runs = collections.Counter()  # OpOverload -> calls run on the host: a new shape, not compiled
 dtype_corrections = {}  # OpOverload -> message
 started = [time.perf_counter()]
 
@@ -24,6 +25,7 @@ def reset():
     op_seconds.clear()
     fallback_sites.clear()
     fallback_calls.clear()
+    host_runs.clear()
     dtype_corrections.clear()
     started[0] = time.perf_counter()
 
@@ -51,6 +53,7 @@ def summary():
         "cpu_fallbacks": [
             {"op": str(op), "calls": fallback_calls[op], "first_call_site": site} for op, site in fallback_sites.items()
         ],
+        "host_runs": {str(op): count for op, count in host_runs.most_common()},
         "dtype_corrections": [{"op": str(op), "detail": detail} for op, detail in dtype_corrections.items()],
         "host_seconds_by_family": {family: round(seconds, 6) for family, seconds in family_seconds.most_common()},
         "ops": ops,

@@ -516,9 +516,39 @@ def write_values(tensors, values):
             tensor._seen = root._generation
 
 
+class OnHost:
+    """A root's value computed on the host (an op run by torch's CPU kernel: runtime/dispatch.py),
+    copied to the device when something first reads it there. Until then the tensor's `_value`
+    is the numpy array: a sequence grown by one token on the host and then sliced there never
+    makes the trip."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array):
+        self.array = array
+
+    def resolve(self, tensor):
+        tensor._value = devices.put(self.array, tensor._index)
+        tensor._pending = None
+
+
+def on_host(array, index):
+    """A bridge tensor whose value, `array` (numpy), stays on the host until read (OnHost)."""
+    tensor = BridgeTensor(array, index)
+    tensor._pending = OnHost(array)
+    return tensor
+
+
+def host_array(tensor):
+    """A bridge tensor's current value as a numpy array, without a trip through the device for a
+    value still on the host (a read-only view where it is the device's)."""
+    if tensor._root is None and type(tensor._pending) is OnHost:
+        return tensor._pending.array
+    return np.asarray(read_value(tensor))
+
+
 def to_numpy(tensor):
-    value = np.asarray(read_value(tensor))
-    return value
+    return host_array(tensor)
 
 
 # While torch.save runs under the bridge (bridge/patches/serialization.py): the device ordinals
@@ -527,7 +557,7 @@ pickled_devices = None
 
 
 def _to_cpu_tensor(tensor):
-    return numpy_to_torch(np.array(read_value(tensor)))
+    return numpy_to_torch(np.array(host_array(tensor)))
 
 
 def numpy_to_torch(array):
@@ -551,7 +581,7 @@ def to_bridge(tensor, index=None):
     """A bridge tensor with the contents of a plain torch tensor (no autograd link)."""
     if index is None:
         index = devices.current_index()
-    value = jax.device_put(torch_to_numpy(tensor.cpu() if tensor.device.type != "cpu" else tensor), devices.jax_device(index))
+    value = devices.put(torch_to_numpy(tensor.cpu() if tensor.device.type != "cpu" else tensor), index)
     return BridgeTensor(value, index)
 
 

@@ -11,8 +11,8 @@ The second form runs as it is for torch, or under `python -m bridge run` for the
 `--cache static` on a GPU, torch's run is compiled: HF's generate calls torch.compile on the
 decoding step by itself when the cache is static (`--no-compile` turns that off). It
 prints one line `RESULT {json}`: the seconds of the first `generate` call (tracing and compiling
-included), the median ms a token over the calls after it, the number of new tokens, and the
-tokens themselves (so that runs can be compared)."""
+included) and of every call, the median ms a token over the calls after the first, the number
+of new tokens, and the tokens themselves (so that runs can be compared)."""
 
 import argparse
 import json
@@ -98,6 +98,7 @@ def generate(options):
     new = len(tokens)
     result = {
         "first_call_seconds": round(seconds[0], 3),
+        "call_seconds": [round(value, 3) for value in seconds],
         "ms_per_token": round(statistics.median(seconds[1:]) * 1000 / new, 3),
         "new_tokens": new,
         "cache": options.cache,
