@@ -11,6 +11,7 @@ traced (data-dependent output, a host sync).
 """
 
 import functools
+import os
 
 import jax
 
@@ -28,8 +29,8 @@ MAX_VARIANTS = 12
 # to run it once or a few times in a row. A shape that a loop meets again is worth its program:
 # the host path waits for its inputs on the device, where a program call queues behind them.
 EAGER_VARIANTS = 4
-RECURRENCE_GAP = 2
-RECURRENCE_COUNT = 8
+RECURRENCE_GAP = int(os.environ.get("BRIDGE_HOST_RECURRENCE_GAP", "2"))
+RECURRENCE_COUNT = int(os.environ.get("BRIDGE_HOST_RECURRENCE_COUNT", "8"))
 
 _ARRAY = object()
 _SCALAR = object()
