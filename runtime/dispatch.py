@@ -762,10 +762,9 @@ def _on_host_if_new_shape(func, call, args, kwargs):
     """Run by eager torch on host copies of its arguments when the call would compile a new
     program for an op that has compiled several already (compiled_ops.EAGER_VARIANTS) and its
     arrays are small integers or bools (token ids, masks, positions); the result stays on the
-    host until the device needs it (OnHost). None
-    where the call is not for the host, or torch's CPU kernel refuses it (a dtype it lacks):
-    then it compiles as any other. The answer is torch's own, and torch's kernel checks the
-    arguments."""
+    host until the device needs it (OnHost). None where the call is not for the host, torch's
+    CPU kernel refuses it (a dtype it lacks, bad arguments: the mapping's path then raises
+    torch's error) or its result is floating point: then it compiles as any other."""
     sizes = []
     try:
         values = [_abstract(value, sizes) for value in args]
