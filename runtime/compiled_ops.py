@@ -144,12 +144,16 @@ class CompiledEntry:
             return None
         return self.variants.get(self._key(values, keywords, []))
 
+    def has_compiled_many(self):
+        """Whether the op compiles its calls and has compiled EAGER_VARIANTS shapes already."""
+        return self.enabled and settings.compile_ops and not settings.tracing and len(self.shapes) >= EAGER_VARIANTS
+
     def has_compiled_many_but_not(self, values, keywords):
         """Whether this call would compile a new program (a signature or array shapes not seen
         yet: jax.jit compiles each) for an op that has compiled EAGER_VARIANTS already, and has
         not come back often enough to earn one (see RECURRENCE_GAP). The arrays may be
         jax.ShapeDtypeStructs."""
-        if not (self.enabled and settings.compile_ops) or settings.tracing or len(self.shapes) < EAGER_VARIANTS:
+        if not self.has_compiled_many():
             return False
         arrays = []
         shaped = _shaped(self._key(values, keywords, arrays), arrays)

@@ -25,12 +25,12 @@ from .registry import MAPPINGS, TORCH_GRADIENT, Mapping, mapping_of
 from . import torch_gradients
 from .tensor import (
     BridgeTensor,
-    host_array,
     numpy_to_torch,
     on_host,
     read_value,
     root_of,
     set_wrapper_layout,
+    to_torch,
     torch_to_numpy,
     write_value,
 )
@@ -116,7 +116,7 @@ def _unwrap(value, index, func=None):
         if value._is_zerotensor():
             # autograd's zero that takes no memory (forward-mode AD's tangent of a tensor that
             # has none): it holds no data to copy
-            return jax.device_put(np.zeros(value.shape, TORCH_TO_JAX[value.dtype]), devices.jax_device(index))
+            return devices.put(np.zeros(value.shape, TORCH_TO_JAX[value.dtype]), index)
         if func is not None and value.dim() and func not in _TAKES_HOST_TENSORS and not _inside_autograd():
             _refuse_two_devices(func, value, index)
         return devices.put(torch_to_numpy(value), index)
@@ -765,6 +765,8 @@ def _on_host_if_new_shape(func, call, args, kwargs):
     host until the device needs it (OnHost). None where the call is not for the host, torch's
     CPU kernel refuses it (a dtype it lacks, bad arguments: the mapping's path then raises
     torch's error) or its result is floating point: then it compiles as any other."""
+    if not call.has_compiled_many():
+        return None
     sizes = []
     try:
         values = [_abstract(value, sizes) for value in args]
@@ -1036,7 +1038,7 @@ def replace_contents(target, value):
         with torch.no_grad():
             if tuple(target.shape) != tuple(value.shape):
                 target.resize_(value.shape)
-            target.copy_(numpy_to_torch(__import__("numpy").array(value)))
+            target.copy_(numpy_to_torch(np.array(value)))
         return
     if tuple(target.shape) != tuple(value.shape):
         resized = BridgeTensor(value, target._index)
@@ -1069,7 +1071,7 @@ def _decomposed_plan(func, decomposition):
 
 def _to_cpu(value):
     if isinstance(value, BridgeTensor):
-        return numpy_to_torch(np.array(host_array(value)))  # a copy: a fallback may write it
+        return to_torch(value)
     if isinstance(value, (list, tuple)):
         return type(value)(_to_cpu(item) for item in value)
     return value

@@ -539,16 +539,12 @@ def on_host(array, index):
     return tensor
 
 
-def host_array(tensor):
+def to_numpy(tensor):
     """A bridge tensor's current value as a numpy array, without a trip through the device for a
     value still on the host (a read-only view where it is the device's)."""
     if tensor._root is None and type(tensor._pending) is OnHost:
         return tensor._pending.array
     return np.asarray(read_value(tensor))
-
-
-def to_numpy(tensor):
-    return host_array(tensor)
 
 
 # While torch.save runs under the bridge (bridge/patches/serialization.py): the device ordinals
@@ -557,7 +553,7 @@ pickled_devices = None
 
 
 def _to_cpu_tensor(tensor):
-    return numpy_to_torch(np.array(host_array(tensor)))
+    return numpy_to_torch(np.array(to_numpy(tensor)))  # a copy: the caller may write it
 
 
 def numpy_to_torch(array):
