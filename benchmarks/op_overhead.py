@@ -3,7 +3,7 @@ cached executable: JAX's own dispatch cost) and native torch, on whatever machin
 (torch CUDA and JAX's GPU backend on a GPU machine; both on the CPU elsewhere). The ops are
 those real training loops run between the model and the optimizer, and small arithmetic.
 
-    python benchmarks/op_overhead.py [--number 500] [--out DIR] [--name NAME]
+    python benchmarks/op_overhead.py [--number 500] [--out DIR] [--name NAME] [--only TEXT]
 
 Each figure is the median over 7 repeats of `number` calls, the device synchronized at the end
 of each repeat (so a figure is the host's cost per call where the op is small, and the device's
@@ -204,6 +204,7 @@ def main(argv=None):
     parser.add_argument("--number", type=int, default=500)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default="op_overhead")
+    parser.add_argument("--only", default="", help="run only the rows whose name contains this")
     options = parser.parse_args(argv)
 
     import jax
@@ -220,7 +221,10 @@ def main(argv=None):
         if native == "cuda":
             torch.cuda.synchronize()
 
-    for name, (setup, call) in torch_cases(torch, native).items():
+    def chosen(cases):
+        return {name: case for name, case in cases.items() if options.only in name}
+
+    for name, (setup, call) in chosen(torch_cases(torch, native)).items():
         state = setup()
         results.setdefault(name, {})["torch"] = per_call_us(lambda: call(state), sync_torch, options.number)
         print(f"torch {name}: {results[name]['torch']:.1f} us", flush=True)
@@ -229,7 +233,7 @@ def main(argv=None):
         if result is not None:
             jax.block_until_ready(result)
 
-    for name, (setup, call) in jax_cases(jax, jnp).items():
+    for name, (setup, call) in chosen(jax_cases(jax, jnp)).items():
         arrays = setup()
         results[name]["jax"] = per_call_us(lambda: call(*arrays), sync_jax, options.number)
         print(f"jax {name}: {results[name]['jax']:.1f} us", flush=True)
@@ -246,7 +250,7 @@ def main(argv=None):
             jax.block_until_ready(values)
         torch.cuda.synchronize()
 
-    for name, (setup, call) in torch_cases(torch, "cuda").items():
+    for name, (setup, call) in chosen(torch_cases(torch, "cuda")).items():
         state = setup()
         results[name]["bridge"] = per_call_us(lambda: call(state), sync_bridge, options.number)
         print(f"bridge {name}: {results[name]['bridge']:.1f} us", flush=True)
@@ -265,16 +269,17 @@ def main(argv=None):
             f"| {name} | {figures['bridge']:.1f} | {'-' if jax_us is None else f'{jax_us:.1f}'} | {figures['torch']:.1f} | "
             f"{'-' if to_jax is None else f'{to_jax:.2f}'} | {figures['bridge'] / figures['torch']:.2f} |"
         )
+    command = f"python benchmarks/op_overhead.py --number {options.number}" + (f" --only '{options.only}'" if options.only else "")
     ratios = sorted(figures["bridge"] / figures["jax"] for figures in results.values() if figures.get("jax"))
     text = (
         f"# Eager op overhead: the bridge, raw JAX and torch ({native} torch, JAX on {versions['backend']})\n\n"
-        f"Command: `python benchmarks/op_overhead.py --number {options.number}`; generated "
+        f"Command: `{command}`; generated "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\nMachine and versions: {json.dumps(versions)}\n\n"
         "Median microseconds a call (7 repeats; the device synchronized at the end of each repeat).\n\n"
         + "\n".join(rows)
-        + f"\n\nbridge / raw JAX: median {statistics.median(ratios):.2f}x, largest {max(ratios):.2f}x; "
-        f"above 2x: {', '.join(over) or 'none'}.\n\n"
-        "What any op of a Python tensor subclass pays before the bridge's own Python (microseconds a call):\n\n"
+        + (f"\n\nbridge / raw JAX: median {statistics.median(ratios):.2f}x, largest {max(ratios):.2f}x; "
+           f"above 2x: {', '.join(over) or 'none'}.\n\n" if ratios else "\n\n")
+        + "What any op of a Python tensor subclass pays before the bridge's own Python (microseconds a call):\n\n"
         + "\n".join(f"- {name}: {value:.1f}" for name, value in floors.items())
         + "\n"
     )

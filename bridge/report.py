@@ -40,6 +40,11 @@ def summary_text(data=None):
             "bridge: ops whose shapes kept changing ran new shapes on the host rather than compile each: "
             + ", ".join(f"{op} {count} call(s)" for op, count in list(data["host_runs"].items())[:5])
         )
+    if data.get("uncompiled"):
+        lines.append(
+            "bridge: ops run uncompiled, a JAX dispatch per step of their mapping: "
+            + ", ".join(f"{entry['op']} {entry['calls']} call(s) ({entry['why']})" for entry in data["uncompiled"][:5])
+        )
     for correction in data["dtype_corrections"]:
         lines.append(f"bridge: mapping of {correction['op']} {correction['detail']}")
     captured = data["capture"]

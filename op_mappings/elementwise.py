@@ -23,11 +23,18 @@ def _is_integral(array):
 # ---------------------------------------------------------------- arithmetic
 
 
+def _scaled(value, alpha):
+    """value * alpha, as torch's add/sub compute it; not multiplied where alpha is the number 1.
+    `alpha` may be a traced float (a step size that changes between eager calls becomes an
+    argument of the op's program: runtime/compiled_ops.py); x * 1.0 is x exactly there too."""
+    if isinstance(alpha, (bool, int, float)) and alpha == 1:
+        return value
+    return value * alpha
+
+
 @register_mapping(aten.add.Tensor, aten.add.Scalar, promote=DEFAULT, operands=("self", "other"))
 def add(self, other, alpha=1):
-    if alpha != 1:
-        other = other * alpha
-    return jnp.add(self, other)
+    return jnp.add(self, _scaled(other, alpha))
 
 
 def _refuse_bool_subtraction(computed_in):
@@ -41,17 +48,13 @@ def _refuse_bool_subtraction(computed_in):
 @register_mapping(aten.sub.Tensor, aten.sub.Scalar, promote=DEFAULT, operands=("self", "other"))
 def sub(self, other, alpha=1):
     _refuse_bool_subtraction(self.dtype)
-    if alpha != 1:
-        other = other * alpha
-    return jnp.subtract(self, other)
+    return jnp.subtract(self, _scaled(other, alpha))
 
 
 @register_mapping(aten.rsub.Tensor, aten.rsub.Scalar, promote=DEFAULT, operands=("self", "other"))
 def rsub(self, other, alpha=1):
     _refuse_bool_subtraction(self.dtype)
-    if alpha != 1:
-        self = self * alpha
-    return jnp.subtract(other, self)
+    return jnp.subtract(other, _scaled(self, alpha))
 
 
 @register_mapping(aten.mul.Tensor, aten.mul.Scalar, promote=DEFAULT)

@@ -3,11 +3,14 @@
 Running an entry's `jnp` calls one by one costs a JAX dispatch each; compiling
 the whole entry with `jax.jit` makes it one call. The arrays are the compiled
 function's arguments; everything else (sizes, dims, Python scalars, dtypes)
-is static and part of the cache key. An op called with a Python float that
-keeps changing (an optimizer's step size) would compile anew for each value:
-once two calls differ only in such floats, the op runs uncompiled from then
-on; so does an op past MAX_VARIANTS signatures, and an entry that cannot be
-traced (data-dependent output, a host sync).
+is static and part of the cache key. A Python float that changes between calls
+(an optimizer's step size, `x * scale` with a scale that varies) would compile
+anew for each value: once two calls differ only in their floats, the floats
+become arguments of one program for that signature (`lifted`), unless the entry
+needs them as Python numbers (it branches on one), where that signature runs
+uncompiled. An op past MAX_VARIANTS signatures runs its new ones uncompiled, and
+an entry that cannot be traced (data-dependent output, a host sync) runs
+uncompiled from then on.
 """
 
 import functools
@@ -15,7 +18,7 @@ import os
 
 import jax
 
-from . import config
+from . import config, dtypes, stats
 from .config import settings
 
 # Static signatures compiled per op before the op runs uncompiled instead.
@@ -35,6 +38,7 @@ RECURRENCE_COUNT = int(os.environ.get("BRIDGE_HOST_RECURRENCE_COUNT", "8"))
 _ARRAY = object()
 _SCALAR = object()
 _SEQUENCE = object()
+_LIFTED = object()  # a Python float taken as an argument of the program (CompiledEntry.lifted)
 
 _TRACE_ERRORS = (
     jax.errors.ConcretizationTypeError,
@@ -75,11 +79,13 @@ def _spec(value, arrays):
     return value
 
 
-def _rebuild(spec, arrays):
+def _rebuild(spec, arrays, floats=None):
     if spec is _ARRAY:
         return next(arrays)
+    if spec is _LIFTED:
+        return next(floats)
     if type(spec) is tuple and spec and spec[0] is _SEQUENCE:
-        return spec[1](_rebuild(item, arrays) for item in spec[2])
+        return spec[1](_rebuild(item, arrays, floats) for item in spec[2])
     if type(spec) is tuple and spec and spec[0] is _SCALAR:
         return _from_exact(spec[1], spec[2])
     return spec
@@ -90,6 +96,43 @@ def _call_with(call, positional_spec, keyword_spec, arrays):
     args = [_rebuild(spec, remaining) for spec in positional_spec]
     kwargs = {name: _rebuild(spec, remaining) for name, spec in keyword_spec}
     return call(*args, **kwargs)
+
+
+def _call_lifted(call, positional_spec, keyword_spec, arrays, floats):
+    remaining, numbers = iter(arrays), iter(floats)
+    args = [_rebuild(spec, remaining, numbers) for spec in positional_spec]
+    kwargs = {name: _rebuild(spec, remaining, numbers) for name, spec in keyword_spec}
+    dtypes.lifted_floats.update(id(value) for value in floats)  # they promote as Python floats
+    try:
+        return call(*args, **kwargs)
+    finally:
+        dtypes.lifted_floats.clear()
+
+
+def _lift(spec, floats):
+    """`spec` with each Python float (not a subclass: numpy's float64 is typed where Python's is
+    weak) replaced by _LIFTED, its value appended to `floats`. Passed to a jitted function, a
+    Python float is a weakly typed float64 (the bridge runs JAX with x64 on), so the program
+    computes with it as it would with the constant: the same promotion, the same sign of zero."""
+    if type(spec) is tuple and spec and spec[0] is _SCALAR and spec[1] is float:
+        floats.append(float.fromhex(spec[2]))
+        return _LIFTED
+    if type(spec) is tuple and spec and spec[0] is _SEQUENCE:
+        return (_SEQUENCE, spec[1], tuple(_lift(item, floats) for item in spec[2]))
+    return spec
+
+
+def _lifted_key(key, floats):
+    """An entry key with its Python floats lifted out (their values appended to `floats`)."""
+    positional_spec, keyword_spec = key[:2]
+    return (
+        tuple(_lift(spec, floats) for spec in positional_spec),
+        tuple((name, _lift(spec, floats)) for name, spec in keyword_spec),
+    ) + key[2:]
+
+
+def _with_floats(program, floats):
+    return lambda arrays: program(arrays, floats)
 
 
 def _erase_floats(spec):
@@ -116,11 +159,15 @@ def _shaped(key, arrays):
 class CompiledEntry:
     """Runs one table entry, compiled per static signature when it can be."""
 
-    __slots__ = ("call", "variants", "shapes", "seen", "enabled", "float_free", "reads_precision")
+    __slots__ = ("op", "call", "variants", "lifted", "shapes", "seen", "enabled", "float_free", "reads_precision")
 
     def __init__(self, op, call):
+        self.op = op
         self.call = call
         self.variants = {}
+        # Signatures whose floats changed between calls -> one program taking the floats as
+        # arguments, or None where the entry cannot (it needs a float as a Python number).
+        self.lifted = {}
         self.shapes = set()  # the signatures with their arrays' shapes and dtypes compiled so far
         self.seen = {}  # those run on the host -> [how many came before, calls] (has_compiled_many_but_not)
         self.float_free = set()  # the signatures compiled so far, with their floats erased
@@ -142,7 +189,14 @@ class CompiledEntry:
         the precision settings now, if it reads them); None if there is none."""
         if not (self.enabled and settings.compile_ops):
             return None
-        return self.variants.get(self._key(values, keywords, []))
+        key = self._key(values, keywords, [])
+        program = self.variants.get(key)
+        if program is None and self.lifted:
+            floats = []
+            lifted = self.lifted.get(_lifted_key(key, floats))
+            if lifted is not None:
+                program = _with_floats(lifted, floats)
+        return program
 
     def has_compiled_many(self):
         """Whether the op compiles its calls and has compiled EAGER_VARIANTS shapes already."""
@@ -156,8 +210,9 @@ class CompiledEntry:
         if not self.has_compiled_many():
             return False
         arrays = []
-        shaped = _shaped(self._key(values, keywords, arrays), arrays)
-        if shaped in self.shapes:
+        key = self._key(values, keywords, arrays)
+        shaped = _shaped(key, arrays)
+        if shaped in self.shapes or (self.lifted and _shaped(_lifted_key(key, []), arrays) in self.shapes):
             return False
         seen = self.seen.get(shaped)
         if seen is None:
@@ -170,6 +225,8 @@ class CompiledEntry:
 
     def __call__(self, values, keywords):
         if not (self.enabled and settings.compile_ops) or settings.tracing:
+            if self.op in stats.uncompiled_reasons and settings.compile_ops and not settings.tracing:
+                return self._uncompiled(values, keywords)  # (an op that stopped compiling)
             return self.call(*values, **keywords)
         arrays = []
         key = self._key(values, keywords, arrays)
@@ -184,11 +241,12 @@ class CompiledEntry:
                 # New array dtypes/shapes retraced into a data-dependent path (a bool mask
                 # where an integer index was compiled): run this op uncompiled from now on.
                 self.enabled = False
-                return self.call(*values, **keywords)
+                return self._uncompiled(values, keywords, "its trace needs data-dependent values")
         float_free = _erase_floats(key)
-        if len(self.variants) >= MAX_VARIANTS or float_free in self.float_free:
-            self.enabled = float_free not in self.float_free  # varying floats: stop compiling
-            return self.call(*values, **keywords)
+        if float_free in self.float_free:
+            return self._lifted_call(key, values, keywords, arrays)
+        if len(self.variants) >= MAX_VARIANTS:
+            return self._uncompiled(values, keywords, f"more than {MAX_VARIANTS} signatures (scalars, sizes, dtypes)")
         self.float_free.add(float_free)
         positional_spec, keyword_spec = key[:2]
         compiled = jax.jit(functools.partial(_call_with, self.call, positional_spec, keyword_spec))
@@ -197,7 +255,7 @@ class CompiledEntry:
             out = compiled(arrays)
         except _TRACE_ERRORS:
             self.enabled = False
-            return self.call(*values, **keywords)
+            return self._uncompiled(values, keywords, "its trace needs data-dependent values")
         if config.precision_reads != reads and not self.reads_precision:
             # Found out now: the programs compiled so far were keyed without the settings.
             self.reads_precision = True
@@ -207,3 +265,43 @@ class CompiledEntry:
         self.variants[key] = compiled
         self.shapes.add(_shaped(key, arrays))
         return out
+
+    def _lifted_call(self, key, values, keywords, arrays):
+        """A call whose floats differ from an earlier call's with the same signature: the
+        signature's program taking the floats as arguments, compiled on the first such call."""
+        floats = []
+        lifted_key = _lifted_key(key, floats)
+        program = self.lifted.get(lifted_key, _ARRAY)
+        if program is None:
+            return self._uncompiled(values, keywords, "it needs a changing float as a Python number")
+        if program is _ARRAY and len(self.lifted) >= MAX_VARIANTS:
+            return self._uncompiled(values, keywords, f"more than {MAX_VARIANTS} signatures (scalars, sizes, dtypes)")
+        compiling = program is _ARRAY
+        if compiling:
+            program = jax.jit(functools.partial(_call_lifted, self.call, *lifted_key[:2]))
+        reads = config.precision_reads
+        try:
+            out = program(arrays, floats)
+        except _TRACE_ERRORS:
+            # The entry needs a float as a Python number (it branches on it), or new shapes
+            # retraced into a data-dependent path: this signature runs uncompiled.
+            self.lifted[lifted_key] = None
+            return self._uncompiled(values, keywords, "it needs a changing float as a Python number")
+        if compiling and config.precision_reads != reads and not self.reads_precision:
+            # As in __call__: programs keyed without the precision settings are dropped.
+            self.reads_precision = True
+            self.variants.clear()
+            self.lifted.clear()
+            self.float_free = set()
+            return out
+        self.lifted[lifted_key] = program
+        if len(self.shapes) < _SHAPES_KEPT:
+            self.shapes.add(_shaped(lifted_key, arrays))
+        return out
+
+    def _uncompiled(self, values, keywords, reason=None):
+        """The entry's jnp calls one by one (a JAX dispatch each), counted for the run report."""
+        stats.uncompiled_calls[self.op] += 1
+        if reason is not None:
+            stats.uncompiled_reasons.setdefault(self.op, reason)
+        return self.call(*values, **keywords)

@@ -112,18 +112,31 @@ def _result_type_cached(operands, default_dtype):
     return result
 
 
+# The ids of the tracers that stand for Python floats in the trace of an eager op's program
+# taking its changing floats as arguments (runtime/compiled_ops.py), while that trace runs: they
+# promote as the Python numbers they stand for, not as 0-dim float64 tensors.
+lifted_floats = set()
+
+
+def is_lifted_float(value):
+    return bool(lifted_floats) and id(value) in lifted_floats
+
+
 def result_type(operands):
     """torch.result_type over jax arrays, 0-dim arrays and Python scalars.
 
     `operands` holds jax arrays (dimensioned or 0-dim), torch dtypes are
-    recovered from them; Python numbers count as weakly typed scalars.
+    recovered from them; Python numbers count as weakly typed scalars, and so
+    do the tracers standing for them (is_lifted_float).
     """
     keyed = []
     for value in operands:
         if value is None:
             continue
         dtype = getattr(value, "dtype", None)
-        if dtype is not None:
+        if dtype is not None and is_lifted_float(value):
+            keyed.append((0, torch.get_default_dtype()))
+        elif dtype is not None:
             keyed.append((2 if value.ndim else 1, JAX_TO_TORCH[dtype]))
         else:
             dtype = _scalar_dtype(value)

@@ -85,7 +85,8 @@ def _promoting(body, op, kind, names):
 
 
 def _cast(value, dtype):
-    if dtype is not None and hasattr(value, "dtype") and value.dtype != dtype:
+    # (A Python float, or a tracer standing for one, is left for jnp to convert as a weak scalar.)
+    if dtype is not None and hasattr(value, "dtype") and value.dtype != dtype and not dtypes.is_lifted_float(value):
         return value.astype(dtype)
     return value
 

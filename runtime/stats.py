@@ -16,6 +16,9 @@ op_family = {}  # OpOverload -> mapping family (module of op_mappings), None if 
 fallback_sites = {}  # OpOverload -> first user call site
 fallback_calls = collections.Counter()  # OpOverload -> runs on the host CPU (also as part of a derived op)
 host_runs = collections.Counter()  # OpOverload -> calls run on the host: a new shape, not compiled
+# OpOverload -> calls run uncompiled, their jnp calls one by one (runtime/compiled_ops.py), and why
+uncompiled_calls = collections.Counter()
+uncompiled_reasons = {}
 dtype_corrections = {}  # OpOverload -> message
 started = [time.perf_counter()]
 
@@ -26,6 +29,7 @@ def reset():
     fallback_sites.clear()
     fallback_calls.clear()
     host_runs.clear()
+    uncompiled_calls.clear()
     dtype_corrections.clear()
     started[0] = time.perf_counter()
 
@@ -54,6 +58,9 @@ def summary():
             {"op": str(op), "calls": fallback_calls[op], "first_call_site": site} for op, site in fallback_sites.items()
         ],
         "host_runs": {str(op): count for op, count in host_runs.most_common()},
+        "uncompiled": [
+            {"op": str(op), "calls": count, "why": uncompiled_reasons.get(op, "")} for op, count in uncompiled_calls.most_common()
+        ],
         "dtype_corrections": [{"op": str(op), "detail": detail} for op, detail in dtype_corrections.items()],
         "host_seconds_by_family": {family: round(seconds, 6) for family, seconds in family_seconds.most_common()},
         "ops": ops,
