@@ -111,19 +111,36 @@ def _call_lifted(call, positional_spec, keyword_spec, arrays, floats):
 
 def _lift(spec, floats):
     """`spec` with each Python float (not a subclass: numpy's float64 is typed where Python's is
-    weak) replaced by _LIFTED, its value appended to `floats`. Passed to a jitted function, a
-    Python float is a weakly typed float64 (the bridge runs JAX with x64 on), so the program
-    computes with it as it would with the constant: the same promotion, the same sign of zero."""
+    weak) replaced by _LIFTED, the float appended to `floats` as a 0-dim weakly typed float64
+    array (the bridge runs JAX with x64 on), which a program computes with as it would with the
+    constant: the same promotion, the same sign of zero."""
     if type(spec) is tuple and spec and spec[0] is _SCALAR and spec[1] is float:
-        floats.append(float.fromhex(spec[2]))
+        if floats is not None:
+            floats.append(_scalar_array(spec[2]))
         return _LIFTED
     if type(spec) is tuple and spec and spec[0] is _SEQUENCE:
         return (_SEQUENCE, spec[1], tuple(_lift(item, floats) for item in spec[2]))
     return spec
 
 
+# float.hex() -> its 0-dim array on the device. A Python float given to a jitted function is
+# copied to the device on every call (on a GPU, tens of microseconds: more than the op).
+_SCALAR_ARRAYS = {}
+_SCALARS_KEPT = 4096
+
+
+def _scalar_array(exact):
+    array = _SCALAR_ARRAYS.get(exact)
+    if array is None:
+        if len(_SCALAR_ARRAYS) >= _SCALARS_KEPT:
+            _SCALAR_ARRAYS.clear()
+        array = _SCALAR_ARRAYS[exact] = jax.numpy.asarray(float.fromhex(exact))  # weakly typed
+    return array
+
+
 def _lifted_key(key, floats):
-    """An entry key with its Python floats lifted out (their values appended to `floats`)."""
+    """An entry key with its Python floats lifted out (their arrays appended to `floats`, unless
+    it is None)."""
     positional_spec, keyword_spec = key[:2]
     return (
         tuple(_lift(spec, floats) for spec in positional_spec),
@@ -212,7 +229,7 @@ class CompiledEntry:
         arrays = []
         key = self._key(values, keywords, arrays)
         shaped = _shaped(key, arrays)
-        if shaped in self.shapes or (self.lifted and _shaped(_lifted_key(key, []), arrays) in self.shapes):
+        if shaped in self.shapes or (self.lifted and _shaped(_lifted_key(key, None), arrays) in self.shapes):
             return False
         seen = self.seen.get(shaped)
         if seen is None:
