@@ -13,10 +13,12 @@ ON_GPU = os.environ.get("JAX_PLATFORMS", "").split(",")[0] in ("cuda", "gpu", "r
 
 # Most of the suite's time is XLA compiling small CPU programs (the OpInfo and ModuleInfo sweeps
 # compile about a thousand per 50 entries, 28 ms each). LLVM's optimization level 0 compiles them
-# about 20% faster, and changes no result: with fast math off (XLA's CPU default) LLVM has no
-# licence to reassociate or contract floating point at any level (30 ops, transcendentals,
-# reductions and a gradient among them, gave bit-identical results both ways). Set here, before JAX starts its
-# backends; the sweeps' child processes inherit it. An XLA_FLAGS that names the option is kept.
+# about 20% faster. It can change a last bit: at the default level LLVM contracts a multiply and
+# an add into one FMA, as torch's CPU kernels do (`torch.add(x, y, alpha=3.75)`), where level 0
+# rounds twice (30 other ops, transcendentals, reductions and a gradient among them, gave
+# bit-identical results both ways); the tests compare such results within torch's tolerances.
+# Set here, before JAX starts its backends; the sweeps' child processes inherit it. An XLA_FLAGS
+# that names the option is kept.
 if not ON_GPU and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
