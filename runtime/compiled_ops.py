@@ -231,6 +231,10 @@ class CompiledEntry:
         shaped = _shaped(key, arrays)
         if shaped in self.shapes or (self.lifted and _shaped(_lifted_key(key, None), arrays) in self.shapes):
             return False
+        if key not in self.variants and len(self.variants) >= MAX_VARIANTS and _erase_floats(key) not in self.float_free:
+            # A signature it can no longer compile (HF's mask padded by a new amount each token):
+            # on the host it is one torch call, in the mapping a JAX call per step.
+            return True
         seen = self.seen.get(shaped)
         if seen is None:
             if len(self.seen) >= _SHAPES_KEPT * 16:

@@ -138,3 +138,29 @@ def test_a_host_array_is_put_on_the_device_as_jax_puts_it(bridged, array):
     assert isinstance(put, jax.Array) and put.dtype == reference.dtype and put.shape == reference.shape
     assert put.devices() == reference.devices()
     np.testing.assert_array_equal(np.asarray(put), np.asarray(reference))
+
+
+def test_a_signature_past_the_ops_programs_runs_on_the_host_not_op_by_op(bridged):
+    """HF's sdpa_mask pads the attention mask to the cache's length, `F.pad(mask, (0, 192 - L))`:
+    each token a new pad, a new signature. In the rounds after the first the shapes come back and
+    would compile, but past MAX_VARIANTS signatures an op compiles none: such a call of small
+    integers runs on the host (one torch call) rather than as its mapping's JAX calls one by one."""
+    import torch.nn.functional as F
+
+    op = aten.constant_pad_nd.default
+    earlier = dispatch._plans.pop(op, None)
+    stats.host_runs.clear()
+    stats.uncompiled_calls.clear()
+    try:
+        total = compiled_ops.MAX_VARIANTS + 6
+        for _ in range(3):  # three generate calls
+            for length in range(1, total + 1):
+                mask = torch.ones(1, length, dtype=torch.long)
+                assert F.pad(mask.cuda(), (0, total + 1 - length)).tolist() == F.pad(mask, (0, total + 1 - length)).tolist()
+        assert len(dispatch._plans[op].entry.variants) == compiled_ops.MAX_VARIANTS
+        assert stats.uncompiled_calls[op] == 0
+        assert stats.host_runs[op] > total
+    finally:
+        dispatch._plans.pop(op, None)
+        if earlier is not None:
+            dispatch._plans[op] = earlier
