@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from bridge.runtime.dtypes import is_lifted_float
 from bridge.runtime.registry import aten, register_mapping, use_torch_gradient
 
 from .shapes import wrap_dim
@@ -199,7 +200,7 @@ def _scatter_key(index, dim):
 
 def _scatter_source(src, index, dtype):
     # torch reads only the leading index.shape block of src.
-    if not hasattr(src, "shape"):
+    if not hasattr(src, "shape") or is_lifted_float(src):  # a Python number
         return jnp.asarray(src).astype(dtype)
     return src[tuple(slice(0, size) for size in index.shape)].astype(dtype)
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from bridge.runtime.dtypes import TORCH_TO_JAX
+from bridge.runtime.dtypes import TORCH_TO_JAX, is_lifted_float
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 
 _LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -205,7 +205,8 @@ def random_from(self, low, high=None, *, key, generator=None):
 
 
 def _bernoulli(key, probability, shape, dtype):
-    sampling = _sampling_dtype(probability.dtype if hasattr(probability, "dtype") else dtype)
+    number = not hasattr(probability, "dtype") or is_lifted_float(probability)  # a Python number
+    sampling = _sampling_dtype(dtype if number else probability.dtype)
     return (jax.random.uniform(key, shape, dtype=sampling) < probability).astype(dtype)
 
 

@@ -14,7 +14,7 @@ import jax.scipy.special as jax_special
 import torch
 from jax import lax
 
-from bridge.runtime.dtypes import INT_TO_FLOAT
+from bridge.runtime.dtypes import INT_TO_FLOAT, is_lifted_float
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
 
 
@@ -682,7 +682,7 @@ def _legendre_p(x, n):
 
 def _polynomial_operands(x, n):
     """The x_scalar and n_scalar overloads: a Python x takes the compute dtype (n's, after promotion)."""
-    if not hasattr(x, "dtype"):
+    if not hasattr(x, "dtype") or is_lifted_float(x):  # a Python number
         x = jnp.asarray(x, dtype=n.dtype)
     return x, jnp.asarray(n)
 

@@ -303,9 +303,10 @@ class CompiledEntry:
         reads = config.precision_reads
         try:
             out = program(arrays, floats)
-        except _TRACE_ERRORS:
-            # The entry needs a float as a Python number (it branches on it), or new shapes
-            # retraced into a data-dependent path: this signature runs uncompiled.
+        except Exception:  # noqa: BLE001 - the uncompiled call below raises the call's own error
+            # The entry needs a float as a Python number (it branches on it, converts it, indexes
+            # it), or new shapes retraced into a data-dependent path: this signature runs
+            # uncompiled, as with the float compiled in (a bad call raises there, as torch does).
             self.lifted[lifted_key] = None
             return self._uncompiled(values, keywords, "it needs a changing float as a Python number")
         if compiling and config.precision_reads != reads and not self.reads_precision:

@@ -17,6 +17,8 @@ FLOATS = [0.5, -0.25, 1.0, 0.0, -0.0, 3.75, 0.1, float("inf"), float("nan")]
 
 X = torch.randn(4, 5, generator=torch.Generator().manual_seed(0))
 Y = torch.randn(4, 5, generator=torch.Generator().manual_seed(1))
+INDEX = torch.tensor([[0, 1, 2, 3, 0]])
+DEGREES = torch.arange(5)
 
 # name -> (op whose program takes the float, call(x, y, f)). Each answer is compared with the
 # program compiled for that float alone, to the bit, and with eager torch on the CPU.
@@ -35,6 +37,12 @@ CASES = {
     "fill_": (aten.fill.Scalar, lambda x, y, f: x.clone().fill_(f)),
     "masked_fill": (aten.masked_fill.Scalar, lambda x, y, f: x.masked_fill(x > 0, f)),
     "gt a scalar": (aten.gt.Scalar, lambda x, y, f: x > f),
+    # mappings that tell a Python number from an array: a lifted float is a Python number there
+    "scatter a value": (aten.scatter.value, lambda x, y, f: x.scatter(0, INDEX.to(x.device), f)),
+    "chebyshev of a number": (
+        aten.special_chebyshev_polynomial_t.x_scalar,
+        lambda x, y, f: torch.special.chebyshev_polynomial_t(f, DEGREES.to(x.device)),
+    ),
 }
 
 
@@ -103,6 +111,17 @@ def test_the_update_loop_of_word_language_model_stays_compiled_when_the_rate_cha
     entry = dispatch._plans[aten.add.Tensor].entry
     assert entry.enabled and len(entry.lifted) == 1
     assert stats.uncompiled_calls[aten.add.Tensor] == 0
+
+
+def test_a_probability_that_changes_samples_in_the_tensors_dtype(fresh_plans):
+    # bernoulli's mapping draws in the probability's dtype where it is a tensor, in the result's
+    # where it is a Python number; a lifted float is the number.
+    for p in (0.25, 0.5, 0.75):
+        drawn = torch.bernoulli(torch.zeros(4000).cuda(), p)
+        assert drawn.dtype == torch.float32 and set(drawn.unique().tolist()) <= {0.0, 1.0}
+        assert abs(drawn.mean().item() - p) < 0.05
+    entry = dispatch._plans[aten.bernoulli.p].entry
+    assert len(entry.lifted) == 1 and None not in entry.lifted.values()
 
 
 def test_an_op_that_needs_the_float_as_a_number_runs_that_signature_uncompiled_and_says_so(fresh_plans):
