@@ -575,9 +575,10 @@ class Counting(TorchDispatchMode):
 
     def __exit__(self, *exc):
         result = super().__exit__(*exc)
-        self.fallbacks = sorted(str(op) for op, count in stats.op_counts.items() if count and stats.op_rung.get(op) == stats.CPU_FALLBACK)
+        counts = stats.op_counts()
+        self.fallbacks = sorted(str(op) for op, count in counts.items() if count and stats.op_rung.get(op) == stats.CPU_FALLBACK)
         sample_clean = not self.fallbacks
-        for op, count in stats.op_counts.items():
+        for op, count in counts.items():
             if not count:
                 continue
             rung = stats.op_rung.get(op, stats.MAPPED)
@@ -600,7 +601,7 @@ class Counting(TorchDispatchMode):
         return ops
 
     def _fallback_calls(self):
-        return sum(stats.op_counts.get(op, 0) for op in self._fallback_ops())
+        return sum(stats.calls(op) for op in self._fallback_ops())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = self._fallback_calls()

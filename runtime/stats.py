@@ -9,8 +9,36 @@ DECOMPOSED = "decomposed"
 CPU_FALLBACK = "cpu_fallback"
 RUNGS = (MAPPED, DERIVED, DECOMPOSED, CPU_FALLBACK)
 
-op_counts = collections.Counter()  # OpOverload -> calls
-op_seconds = collections.Counter()  # OpOverload -> host seconds spent in it
+class Tally:
+    """An op's calls and host seconds since reset()."""
+
+    __slots__ = ("calls", "seconds")
+
+    def __init__(self):
+        self.calls = 0
+        self.seconds = 0.0
+
+
+# OpOverload -> its Tally, made once: runtime/dispatch.py keeps each and adds to it without
+# hashing the op again (OpOverload's hash is Python code, and dispatch runs for every op).
+tallies = {}
+
+
+def tally(op):
+    found = tallies.get(op)
+    if found is None:
+        found = tallies[op] = Tally()
+    return found
+
+
+def op_counts():
+    """OpOverload -> calls since reset(), for the ops called."""
+    return collections.Counter({op: found.calls for op, found in tallies.items() if found.calls})
+
+
+def calls(op):
+    found = tallies.get(op)
+    return 0 if found is None else found.calls
 op_rung = {}  # OpOverload -> rung name
 op_family = {}  # OpOverload -> mapping family (module of op_mappings), None if not mapped
 fallback_sites = {}  # OpOverload -> first user call site
@@ -25,8 +53,8 @@ started = [time.perf_counter()]
 
 
 def reset():
-    op_counts.clear()  # op_rung and op_family stay: they describe cached plans, not this run
-    op_seconds.clear()
+    for found in tallies.values():  # (op_rung and op_family stay: they describe cached plans)
+        found.calls, found.seconds = 0, 0.0
     fallback_sites.clear()
     fallback_calls.clear()
     host_runs.clear()
@@ -41,18 +69,18 @@ def summary():
     rung_seconds = collections.Counter()
     family_seconds = collections.Counter()
     ops = []
-    for op, count in op_counts.most_common():
+    counts = op_counts()
+    for op, count in counts.most_common():
         rung = op_rung.get(op, MAPPED)
+        seconds = tallies[op].seconds
         by_rung[rung] += count
-        rung_seconds[rung] += op_seconds[op]
+        rung_seconds[rung] += seconds
         family = op_family.get(op) or rung
-        family_seconds[family] += op_seconds[op]
-        ops.append(
-            {"op": str(op), "calls": count, "rung": rung, "family": family, "host_seconds": round(op_seconds[op], 6)}
-        )
+        family_seconds[family] += seconds
+        ops.append({"op": str(op), "calls": count, "rung": rung, "family": family, "host_seconds": round(seconds, 6)})
     return {
-        "ops_run": sum(op_counts.values()),
-        "distinct_ops": len(op_counts),
+        "ops_run": sum(counts.values()),
+        "distinct_ops": len(counts),
         "by_rung": {rung: by_rung.get(rung, 0) for rung in RUNGS},
         "host_seconds_by_rung": {rung: round(rung_seconds.get(rung, 0.0), 6) for rung in RUNGS},
         "cpu_fallbacks": [

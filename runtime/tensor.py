@@ -126,6 +126,10 @@ class BridgeTensor(torch.Tensor):
         return self.to(devices.torch_device(index))
 
     def to(self, *args, **kwargs):
+        if not kwargs and len(args) == 1 and type(args[0]) is torch.dtype:
+            # x.to(torch.float32), the common form: what the general path below does for it,
+            # without parsing the arguments (about a fifth of the call's host time)
+            return self if args[0] == self.dtype else torch._C.TensorBase.to(self, args[0])
         device, dtype, non_blocking, copy, memory_format = _parse_to(args, kwargs)
         if device is not None and device.type == "cpu":
             moved = to_cpu_autograd(self)

@@ -27,13 +27,15 @@ class ViewStep:
         self.args = tuple(freeze(argument) for argument in args)
         self.kwargs = tuple(sorted((name, freeze(value)) for name, value in kwargs.items()))
         self.output = output
-        self._hash = hash((self.op, self.args, self.kwargs, self.output))
+        self._hash = None  # made when first asked: most steps are never hashed
 
     def __call__(self, value):
         result = self.call(value, *self.args, **dict(self.kwargs))
         return result if self.output is None else result[self.output]
 
     def __hash__(self):
+        if self._hash is None:
+            self._hash = hash((self.op, self.args, self.kwargs, self.output))
         return self._hash
 
     def __eq__(self, other):

@@ -365,6 +365,6 @@ def test_distributions_check_arguments_on_the_device(bridged):
     with pytest.raises(ValueError, match="scale"):
         torch.distributions.Normal(torch.zeros(3, device="cuda"), -torch.ones(3, device="cuda"))
     # (op_rung describes every plan made in the process; op_counts only this test's calls)
-    assert not [op for op, count in stats.op_counts.items() if count and stats.op_rung.get(op) == stats.CPU_FALLBACK]
+    assert not [op for op, count in stats.op_counts().items() if count and stats.op_rung.get(op) == stats.CPU_FALLBACK]
     assert torch._is_all_true(torch.tensor([True, False], device="cuda")).item() is False
     assert torch._is_any_true(torch.tensor([True, False], device="cuda")).item() is True
