@@ -246,7 +246,7 @@ class CompiledEntry:
 
     def __call__(self, values, keywords):
         if not (self.enabled and settings.compile_ops) or settings.tracing:
-            if self.op in stats.uncompiled_reasons and settings.compile_ops and not settings.tracing:
+            if not self.enabled and settings.compile_ops and not settings.tracing and self.op in stats.uncompiled_reasons:
                 return self._uncompiled(values, keywords)  # (an op that stopped compiling)
             return self.call(*values, **keywords)
         arrays = []

@@ -9,6 +9,7 @@ DECOMPOSED = "decomposed"
 CPU_FALLBACK = "cpu_fallback"
 RUNGS = (MAPPED, DERIVED, DECOMPOSED, CPU_FALLBACK)
 
+
 class Tally:
     """An op's calls and host seconds since reset()."""
 
@@ -39,6 +40,8 @@ def op_counts():
 def calls(op):
     found = tallies.get(op)
     return 0 if found is None else found.calls
+
+
 op_rung = {}  # OpOverload -> rung name
 op_family = {}  # OpOverload -> mapping family (module of op_mappings), None if not mapped
 fallback_sites = {}  # OpOverload -> first user call site

@@ -4,6 +4,8 @@ on the host until the device needs it (runtime/tensor.OnHost); a shape that come
 round compiles. HF generate's token ids and attention mask grow by one position a token: each
 shape would otherwise compile a program to run once. The answers are torch's own."""
 
+import contextlib
+
 import jax
 import ml_dtypes
 import numpy as np
@@ -16,16 +18,25 @@ from bridge.runtime.tensor import OnHost, read_value
 aten = torch.ops.aten
 
 
-@pytest.fixture
-def fresh_cat(bridged):
-    """aten.cat with a plan of its own (no shapes compiled yet), the earlier plan restored after."""
-    earlier = dispatch._plans.pop(aten.cat.default, None)
+@contextlib.contextmanager
+def _fresh_plan(op):
+    """`op` with a plan of its own (no shapes compiled yet) and its counts from zero, the earlier
+    plan restored after."""
+    earlier = dispatch._plans.pop(op, None)
     stats.host_runs.clear()
+    stats.uncompiled_calls.clear()
     try:
         yield
     finally:
+        dispatch._plans.pop(op, None)
         if earlier is not None:
-            dispatch._plans[aten.cat.default] = earlier
+            dispatch._plans[op] = earlier
+
+
+@pytest.fixture
+def fresh_cat(bridged):
+    with _fresh_plan(aten.cat.default):
+        yield
 
 
 def _grow(ids, steps):
@@ -148,10 +159,7 @@ def test_a_signature_past_the_ops_programs_runs_on_the_host_not_op_by_op(bridged
     import torch.nn.functional as F
 
     op = aten.constant_pad_nd.default
-    earlier = dispatch._plans.pop(op, None)
-    stats.host_runs.clear()
-    stats.uncompiled_calls.clear()
-    try:
+    with _fresh_plan(op):
         total = compiled_ops.MAX_VARIANTS + 6
         for _ in range(3):  # three generate calls
             for length in range(1, total + 1):
@@ -160,7 +168,3 @@ def test_a_signature_past_the_ops_programs_runs_on_the_host_not_op_by_op(bridged
         assert len(dispatch._plans[op].entry.variants) == compiled_ops.MAX_VARIANTS
         assert stats.uncompiled_calls[op] == 0
         assert stats.host_runs[op] > total
-    finally:
-        dispatch._plans.pop(op, None)
-        if earlier is not None:
-            dispatch._plans[op] = earlier
