@@ -37,7 +37,7 @@ def summary_text(data=None):
         )
     if data.get("host_runs"):
         lines.append(
-            "bridge: ops whose shapes kept changing ran new shapes on the host rather than compile each: "
+            "bridge: small integer ops ran on the host by torch's CPU kernels (token ids, positions, masks): "
             + ", ".join(f"{op} {count} call(s)" for op, count in list(data["host_runs"].items())[:5])
         )
     if data.get("uncompiled"):

@@ -230,7 +230,7 @@ def activate():
     measures the mappings: no sample runs on the host for being a new shape."""
     load_databases()
     bridge.activate()
-    settings.host_new_shapes = False
+    settings.host_int_ops = False
     _patched.clear()
 
 

@@ -16,9 +16,10 @@ class Settings:
         self.platform = None
         # Run each table entry as one compiled XLA call (runtime/compiled_ops.py).
         self.compile_ops = os.environ.get("BRIDGE_COMPILE_OPS", "1") != "0"
-        # Run a new shape of an integer op that keeps changing shapes on the host instead of
-        # compiling it (runtime/dispatch.py). Off where the mappings themselves are measured.
-        self.host_new_shapes = os.environ.get("BRIDGE_HOST_NEW_SHAPES", "1") != "0"
+        # Run small integer and bool ops by torch's CPU kernels where their tensors are on the
+        # host already, or where they would compile yet another shape (runtime/dispatch.py
+        # _on_host). Off where the mappings themselves are measured.
+        self.host_int_ops = os.environ.get("BRIDGE_HOST_INT_OPS", "1") != "0"
         # Execution mode: "captured" (regions run as compiled programs) or "eager" (op by op).
         self.mode = os.environ.get("BRIDGE_MODE", "captured")
         # Depth of region traces in progress (runtime/capture.py); table entries then run inline.

@@ -21,10 +21,13 @@ from .callsite import user_call_site, warn_at_user_site
 from .config import settings
 from .dtypes import TORCH_TO_JAX
 from .errors import CPUFallbackWarning, DeviceError, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
-from .registry import MAPPINGS, TORCH_GRADIENT, Mapping, mapping_of
+from .registry import TORCH_GRADIENT, Mapping, mapping_of
 from . import torch_gradients
 from .tensor import (
     BridgeTensor,
+    OnHost,
+    host_array,
+    keep_host,
     numpy_to_torch,
     on_host,
     read_value,
@@ -687,6 +690,12 @@ def _mapped_plan(func, mapping):
     direct = None if rng or mutating else {}
 
     def run(args, kwargs):
+        if direct is not None and settings.host_int_ops and not settings.tracing:
+            first = args[0] if args else None
+            if type(first) is not BridgeTensor or first.dtype in _HOST_DTYPES:
+                out = _on_host(func, call, args, kwargs)
+                if out is not None:
+                    return out
         direct_key = None
         if direct is not None and settings.compile_ops and not settings.tracing:
             direct_key = _direct_key(args, kwargs)
@@ -697,10 +706,6 @@ def _mapped_plan(func, mapping):
                 program, index = known
                 out = program(_direct_arrays(args))
                 return _wrap(out, index) if type(out) in (tuple, list) else BridgeTensor(out, index)
-        if direct is not None and settings.host_new_shapes and settings.compile_ops:
-            out = _on_host_if_new_shape(func, call, args, kwargs)
-            if out is not None:
-                return out
         if settings.check_signatures:
             key = _signature(func, args, kwargs)
             if key not in _checked:
@@ -740,74 +745,124 @@ def _mapped_plan(func, mapping):
     return run
 
 
-# Elements of an op's array arguments, in all, up to which a signature new to an op that has
-# compiled several already runs on the host (compiled_ops.EAGER_VARIANTS): copying 2**18
-# elements each way costs well under a millisecond, compiling a program tens of them.
-_HOST_ELEMENTS = 1 << 18
+# Integer and bool work on the host. torch's CPU kernel runs a small op in a few microseconds,
+# where a program call on a GPU costs tens (HF generate's loop: ~40 ops a token on token ids,
+# positions and masks, 75-135 us each on an H200). An op on small integer or bool tensors runs
+# there (_on_host) when one of its tensors has its value on the host already (a factory's or a
+# `.to("cuda")`'s result, runtime.tensor.host_array) and the others' can be had without waiting
+# for the device, or a small one can; or when it would compile yet another program for an op
+# whose shapes keep changing. The result stays on the host until the device reads it. Integer
+# results are exact either way; floating-point ops stay on the device (torch's CPU kernels round
+# their own way).
+_HOST_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+
+# Elements of an op's tensors, in all, up to which it runs on the host: copying 2**16 elements
+# to the device takes well under a millisecond. A new shape of an op that keeps changing shapes
+# runs there up to 2**18 (compiling costs tens of milliseconds).
+_HOST_ELEMENTS = 1 << 16
+_NEW_SHAPE_ELEMENTS = 1 << 18
+
+# A tensor of at most this many elements still being computed on the device is waited for, to
+# join others on the host: the next token from argmax meeting the token ids. A larger one keeps
+# the op on the device (where a wait would idle the device while the host catches up).
+_WAIT_ELEMENTS = 64
 
 
 class _NotForHost(Exception):
     pass
 
 
-def _abstract(value, sizes):
-    """What _unwrap makes of an argument, with shapes and dtypes in place of arrays (their
-    element counts appended to `sizes`). Not for the host path: a plain torch tensor (it must
-    not silently join the device's) and a floating-point one (torch's CPU kernels round their own
-    way; integers and bools come out the same)."""
-    if type(value) is BridgeTensor:
-        if value.dtype.is_floating_point or value.dtype.is_complex or isinstance(root_of(value)._value, jax.core.Tracer):
-            raise _NotForHost  # (the last: in a trace that is not a region's, a custom Function's backward)
-        sizes.append(value.numel())
-        return jax.ShapeDtypeStruct(tuple(value.shape), TORCH_TO_JAX[value.dtype])
+def _host_form(value, waiting, hosted):
+    """One argument as torch's CPU kernel takes it: a bridge tensor as a CPU tensor over its host
+    value (appended to `hosted`), or as itself where it has none yet (appended to `waiting`).
+    Raises _NotForHost for a tensor that is not a small integer or bool bridge tensor (a plain
+    torch tensor must not silently join the device's)."""
+    kind = type(value)
+    if kind is BridgeTensor:
+        if value.dtype not in _HOST_DTYPES:
+            raise _NotForHost
+        array = host_array(value)
+        if array is None:
+            waiting.append(value)
+            return value
+        hosted.append(value)
+        return torch.from_numpy(array)
+    if (kind is list or kind is tuple) and value and isinstance(value[0], (torch.Tensor, type(None))):
+        return kind(None if item is None else _host_form(item, waiting, hosted) for item in value)
     if isinstance(value, torch.Tensor):
         raise _NotForHost
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None))):
-        return [None if item is None else _abstract(item, sizes) for item in value]
     return value
 
 
-def _on_host_if_new_shape(func, call, args, kwargs):
-    """Run by eager torch on host copies of its arguments when the call would compile a new
-    program for an op that has compiled several already (compiled_ops.EAGER_VARIANTS) and its
-    arrays are small integers or bools (token ids, masks, positions); the result stays on the
-    host until the device needs it (OnHost). None where the call is not for the host, torch's
-    CPU kernel refuses it (a dtype it lacks, bad arguments: the mapping's path then raises
-    torch's error) or its result is floating point: then it compiles as any other."""
-    if not call.has_compiled_many():
-        return None
-    sizes = []
+def _on_host(func, call, args, kwargs):
+    """Run the call by torch's CPU kernel on the host values of its tensors (see _HOST_DTYPES);
+    the result stays on the host until the device reads it (OnHost). None where the call is not
+    for the host, torch's CPU kernel refuses it (a dtype it lacks, bad arguments: the mapping's
+    path then raises torch's error) or its result is floating point."""
+    waiting, hosted = [], []
     try:
-        values = [_abstract(value, sizes) for value in args]
-        keywords = {name: _abstract(value, sizes) for name, value in kwargs.items()}
+        cpu_args = [_host_form(value, waiting, hosted) for value in args]
+        cpu_kwargs = {name: _host_form(value, waiting, hosted) for name, value in kwargs.items()} if kwargs else kwargs
     except _NotForHost:
         return None
-    if not sizes or sum(sizes) > _HOST_ELEMENTS:
+    if not hosted and not waiting:
         return None
-    if not call.has_compiled_many_but_not(values, keywords):
+    elements = sum(tensor.numel() for tensor in hosted) + sum(tensor.numel() for tensor in waiting)
+    if hosted:  # some tensor's value is on the host
+        if elements > _HOST_ELEMENTS:
+            return None
+        for tensor in waiting:
+            value = read_value(tensor)
+            if isinstance(value, jax.core.Tracer) or not (value.is_ready() or tensor.numel() <= _WAIT_ELEMENTS):
+                return None
+    elif not (elements <= _NEW_SHAPE_ELEMENTS and _compiles_yet_another_shape(call, args, kwargs)):
         return None
-    cpu_args = _to_cpu(list(args))
-    cpu_kwargs = {name: _to_cpu(value) for name, value in kwargs.items()}
+    if waiting:
+        for tensor in waiting:
+            keep_host(tensor, np.array(read_value(tensor)))  # a copy of its own, kept with the tensor
+        cpu_args = [_host_form(value, [], []) for value in args]
+        cpu_kwargs = {name: _host_form(value, [], []) for name, value in kwargs.items()}
     try:
         result = func(*cpu_args, **cpu_kwargs)
-    except (RuntimeError, NotImplementedError):
+    except (RuntimeError, NotImplementedError, TypeError):
         return None
+    index = (hosted or waiting)[0]._index
+    if type(result) is torch.Tensor:
+        if result.is_floating_point() or result.is_complex():
+            return None  # (an integer division's quotient)
+        stats.host_runs[func] += 1
+        return on_host(result.numpy(), index)
     if any(item.is_floating_point() or item.is_complex() for item in _leaves(result) if isinstance(item, torch.Tensor)):
-        return None  # (an integer division's quotient)
+        return None
     stats.host_runs[func] += 1
-    return _from_host(result, _bridge_index_in(args, kwargs), keep=not func.is_view)
+    return _from_host(result, index)
 
 
-def _from_host(result, index, keep):
-    """A host result as bridge tensors: kept on the host (OnHost) where `keep`, else copied to
-    the device now (a view's result, which the view bookkeeping reads as the device's)."""
+def _abstract(value):
+    """What _unwrap makes of an argument, with shapes and dtypes in place of arrays."""
+    if type(value) is BridgeTensor:
+        return jax.ShapeDtypeStruct(tuple(value.shape), TORCH_TO_JAX[value.dtype])
+    if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None))):
+        return [None if item is None else _abstract(item) for item in value]
+    return value
+
+
+def _compiles_yet_another_shape(call, args, kwargs):
+    """Whether the call would compile a new program for an op that has compiled several already
+    (compiled_ops.EAGER_VARIANTS) and keeps meeting new shapes."""
+    if not call.has_compiled_many():
+        return False
+    values = [_abstract(value) for value in args]
+    keywords = {name: _abstract(value) for name, value in kwargs.items()}
+    return call.has_compiled_many_but_not(values, keywords)
+
+
+def _from_host(result, index):
+    """A host result as bridge tensors kept on the host (OnHost)."""
     if isinstance(result, torch.Tensor):
-        array = torch_to_numpy(result)
-        if not array.flags.c_contiguous:
-            array = np.ascontiguousarray(array)  # (which would make a 0-dim array 1-dim)
-        return on_host(array, index) if keep else BridgeTensor(devices.put(array, index), index)
+        return on_host(result.numpy(), index)
     if isinstance(result, (list, tuple)):
-        return type(result)(_from_host(item, index, keep) for item in result)
+        return type(result)(_from_host(item, index) for item in result)
     return result
 
 
@@ -859,7 +914,14 @@ def _view_plan(func, mapping):
 def _make_view(view, root, chain):
     view._root = root
     view._chain = chain
-    view._seen = root._generation
+    if type(view._pending) is OnHost:
+        # Made on the host (_on_host): its value there, none on the device until read there
+        # (runtime.tensor.read_value copies the host value over).
+        view._host = (view._pending.array, root, root._generation)
+        view._pending = view._value = None
+        view._seen = -1
+    else:
+        view._seen = root._generation
 
 
 def _mutating_plan(func, mapping):

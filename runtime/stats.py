@@ -46,7 +46,7 @@ op_rung = {}  # OpOverload -> rung name
 op_family = {}  # OpOverload -> mapping family (module of op_mappings), None if not mapped
 fallback_sites = {}  # OpOverload -> first user call site
 fallback_calls = collections.Counter()  # OpOverload -> runs on the host CPU (also as part of a derived op)
-host_runs = collections.Counter()  # OpOverload -> calls run on the host: a new shape, not compiled
+host_runs = collections.Counter()  # OpOverload -> calls run on the host by torch's CPU kernel (dispatch._on_host)
 # OpOverload -> calls run uncompiled, their jnp calls one by one (runtime/compiled_ops.py), and
 # why (the reasons stay across reset(), as op_rung does: they describe the cached plans)
 uncompiled_calls = collections.Counter()

@@ -36,10 +36,14 @@ class BridgeTensor(torch.Tensor):
     # _generation: (roots) bumped on every write
     # _index: the bridge device ordinal
     # _pending: (roots) None, or deferred work that gives the tensor its value when it is next
-    #   read or written: a clip_grad_norm_ folded into the optimizer's step (runtime.optimizers.PendingClip)
+    #   read or written: a clip_grad_norm_ folded into the optimizer's step (runtime.optimizers.PendingClip),
+    #   a value not yet copied to the device (OnHost)
+    # _host: None, or (numpy array, root, root's generation): the tensor's value on the host as of
+    #   that generation of its root (None for a root itself); see host_array
 
     # What a new tensor owning its data starts with (instances set their own when they change).
     _pending = None
+    _host = None
     _root = None
     _chain = ()
     _seen = 0
@@ -156,7 +160,7 @@ class BridgeTensor(torch.Tensor):
                 f"can't convert {self.device} device type tensor to numpy. "
                 "Use Tensor.cpu() to copy the tensor to host memory first."
             )
-        return to_numpy(self)
+        return np.array(to_numpy(self))  # a copy: the host value may be shared (a factory's)
 
     def tolist(self):
         return to_numpy(self).tolist()
@@ -427,6 +431,11 @@ def read_value(tensor):
         return tensor._value
     if tensor._seen == root._generation:
         return tensor._value
+    host = tensor._host
+    if host is not None and host[1] is root and host[2] == root._generation and not settings.tracing:
+        value = tensor._value = devices.put(_c_order(host[0]), tensor._index)  # a view made on the host
+        tensor._seen = root._generation
+        return value
     if not tensor._chain:  # an alias of the whole root (detach, .data, a parameter)
         value = root._value if root._pending is None else read_value(root)
         tensor._value = value
@@ -521,33 +530,67 @@ def write_values(tensors, values):
 
 
 class OnHost:
-    """A root's value computed on the host (an op run by torch's CPU kernel: runtime/dispatch.py),
-    copied to the device when something first reads it there. Until then the tensor's `_value`
-    is the numpy array: a sequence grown by one token on the host and then sliced there never
-    makes the trip."""
+    """A root's value made on the host (an op run by torch's CPU kernel, runtime/dispatch.py; a
+    small integer tensor moved or made on the device), copied to the device when something first
+    reads it there. Until then the tensor's `_value` is the numpy array: a sequence grown by one
+    token on the host and then sliced there never makes the trip. `cell`: where a factory's
+    cache keeps the device copy once made, so the next tensor it makes starts with it."""
 
-    __slots__ = ("array",)
+    __slots__ = ("array", "cell")
 
-    def __init__(self, array):
+    def __init__(self, array, cell=None):
         self.array = array
+        self.cell = cell
 
     def resolve(self, tensor):
-        tensor._value = devices.put(self.array, tensor._index)
+        cell = self.cell
+        value = None if cell is None else cell[1]
+        if value is None or value.is_deleted():
+            value = devices.put(_c_order(self.array), tensor._index)
+            if cell is not None:
+                cell[1] = value
+        tensor._value = value
         tensor._pending = None
 
 
-def on_host(array, index):
-    """A bridge tensor whose value, `array` (numpy), stays on the host until read (OnHost)."""
+def _c_order(array):
+    """A numpy array in C order, as the copy to the device takes it (0-dim arrays stay 0-dim)."""
+    return array if array.flags.c_contiguous else array.copy(order="C")
+
+
+def on_host(array, index, cell=None):
+    """A bridge tensor whose value, `array` (numpy, which no one writes into), stays on the host
+    until the device reads it (OnHost); its host copy stays valid until it is written."""
     tensor = BridgeTensor(array, index)
-    tensor._pending = OnHost(array)
+    tensor._pending = OnHost(array, cell)
+    tensor._host = (array, None, 0)
     return tensor
+
+
+def host_array(tensor):
+    """The tensor's current value as a numpy array on the host, where one is known (made or read
+    there since its root was last written), else None. Such arrays are never written into."""
+    host = tensor._host
+    if host is None:
+        return None
+    root = tensor._root
+    if host[1] is not root or host[2] != (tensor if root is None else root)._generation:
+        return None
+    return host[0]
+
+
+def keep_host(tensor, array):
+    """Record `array` as the tensor's current value on the host (see host_array)."""
+    root = tensor._root
+    tensor._host = (array, root, (tensor if root is None else root)._generation)
 
 
 def to_numpy(tensor):
     """A bridge tensor's current value as a numpy array, without a trip through the device for a
-    value still on the host (a read-only view where it is the device's)."""
-    if tensor._root is None and type(tensor._pending) is OnHost:
-        return tensor._pending.array
+    value on the host (a read-only view where it is the device's)."""
+    array = host_array(tensor)
+    if array is not None:
+        return array
     return np.asarray(read_value(tensor))
 
 
@@ -622,10 +665,25 @@ class _ToDevice(torch.autograd.Function):
         return BridgeTensor(jax.device_put(read_value(grad), devices.jax_device(ctx.index)), ctx.index), None
 
 
+# Integer and bool tensors of at most this many elements that come to the device from the host
+# (`.to("cuda")` of token ids, a factory's positions and masks) keep their value on the host
+# too, and reach the device when something there first reads them: small integer ops on them
+# run by torch's CPU kernels (runtime/dispatch.py _on_host).
+HOST_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+HOST_ELEMENTS = 1 << 16
+
+
+def stays_on_host(tensor):
+    """Whether a plain host tensor moved to the device keeps its value on the host (above)."""
+    return tensor.dtype in HOST_DTYPES and tensor.numel() <= HOST_ELEMENTS and not tensor.requires_grad
+
+
 def to_bridge_autograd(tensor, index):
     """`tensor.to('cuda:N')` for a plain tensor: differentiable when it needs to be."""
     if tensor.requires_grad and torch.is_grad_enabled():
         return _ToBridge.apply(tensor, index)
+    if settings.host_int_ops and not settings.tracing and tensor.device.type == "cpu" and stays_on_host(tensor):
+        return on_host(np.array(torch_to_numpy(tensor)), index)  # a copy: the script may write its tensor
     return to_bridge(tensor, index)
 
 

@@ -9,6 +9,7 @@ import torch.nn as nn
 import torch.utils._device
 
 from bridge.runtime import BridgeTensor
+from bridge.runtime.tensor import read_value
 
 FACTORIES = {
     "zeros": lambda: torch.zeros(2, 3),
@@ -172,9 +173,10 @@ def test_cuda_device_context_switches_the_current_device(bridged):
 
 
 def test_repeated_factories_give_fresh_tensors_of_the_same_values(bridged):
-    """A small deterministic factory's integer or bool result is kept on the device and shared by
-    later calls with the same arguments: each call still returns a tensor of its own, and what
-    the arguments tell apart (1, 1.0 and True; 0.0 and -0.0; the default dtype) stays apart."""
+    """A small deterministic factory's integer or bool result is kept (its host value, and its
+    device copy once made) and shared by later calls with the same arguments: each call still
+    returns a tensor of its own, and what the arguments tell apart (1, 1.0 and True; 0.0 and
+    -0.0; the default dtype) stays apart."""
     first = torch.arange(5, device="cuda")
     first.add_(10)  # written in place: the next call's tensor is not
     second = torch.arange(5, device="cuda")
@@ -192,8 +194,9 @@ def test_repeated_factories_give_fresh_tensors_of_the_same_values(bridged):
         torch.set_default_dtype(previous)
     assert torch.zeros(3, device="cuda").dtype == previous
     # An array freed under a shared tensor is made anew.
-    torch.ones(4, dtype=torch.long, device="cuda")._value.delete()
+    read_value(torch.ones(4, dtype=torch.long, device="cuda")).delete()
     assert torch.ones(4, dtype=torch.long, device="cuda").tolist() == [1] * 4
+    assert (read_value(torch.ones(4, dtype=torch.long, device="cuda")) == 1).all()
     # Floating-point results are not shared: an optimizer step donates parameters' arrays.
     first, second = torch.zeros(3, device="cuda"), torch.zeros(3, device="cuda")
     assert first._value is not second._value

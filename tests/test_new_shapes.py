@@ -1,8 +1,11 @@
 """Eager ops whose shapes keep changing (runtime/dispatch.py, runtime/compiled_ops.py): past a few
-compiled shapes, an op runs a new shape of small arrays by torch's CPU kernel and keeps the result
-on the host until the device needs it (runtime/tensor.OnHost); a shape that comes back in a later
-round compiles. HF generate's token ids and attention mask grow by one position a token: each
-shape would otherwise compile a program to run once. The answers are torch's own."""
+compiled shapes, an op runs a new shape of small integer arrays by torch's CPU kernel and keeps the
+result on the host until the device needs it (runtime/tensor.OnHost); a shape that comes back in a
+later round of device-made tensors compiles. HF generate's token ids and attention mask grow by one
+position a token: each shape would otherwise compile a program to run once. The answers are
+torch's own. (Small integer tensors moved to the device with `.to("cuda")` keep their value on the
+host from the start: tests/test_host_int_ops.py. Here `_device` makes tensors whose value is on
+the device only, as an op of device values makes them.)"""
 
 import contextlib
 
@@ -39,6 +42,11 @@ def fresh_cat(bridged):
         yield
 
 
+def _device(tensor):
+    """`tensor` on the device, with no value on the host: made by a floating-point op there."""
+    return tensor.float().cuda().to(tensor.dtype)
+
+
 def _grow(ids, steps):
     """generate's loop: the sequence grows by one token a step."""
     grown = []
@@ -51,40 +59,42 @@ def _grow(ids, steps):
 def test_a_growing_sequence_runs_new_shapes_on_the_host_then_compiles_them_next_round(fresh_cat):
     start = torch.tensor([[5, 7]])
     expected = _grow(start, 10)
-    first = _grow(start.cuda(), 10)
+    first = _grow(_device(start), 10)
     for got, want in zip(first, expected):
         assert got.tolist() == want.tolist()
     entry = dispatch._plans[aten.cat.default].entry
-    # The first shapes compiled as they came; the later ones ran on the host, once each.
+    # The first shapes compiled as they came; the later ones ran on the host, once each (the
+    # fifth for being a new shape, the rest for meeting the fifth's result there).
     assert len(entry.shapes) == compiled_ops.EAGER_VARIANTS
     assert stats.host_runs[aten.cat.default] == 10 - compiled_ops.EAGER_VARIANTS
     last = first[-1]
     assert type(last._pending) is OnHost  # still on the host: nothing on the device read it
-    # Read on the device (as a program's input reads it): copied there once. (An op on it may
-    # itself run on the host, where earlier tests compiled its four shapes: not read here.)
+    # Read on the device (as a program's input reads it): copied there once, its host value kept.
     assert isinstance(read_value(last), jax.Array) and last._pending is None
     assert (last * 2).tolist() == (expected[-1] * 2).tolist()
 
-    # The next round meets the same shapes again: each compiles that came back after
-    # RECURRENCE_GAP other new ones (the round's last ones had fewer after them).
-    second = _grow(start.cuda(), 10)
+    # The next round meets the same shapes again. Its fifth comes back after fewer than
+    # RECURRENCE_GAP other new ones and runs on the host again; from there on the round's
+    # tensors are on the host, and nothing compiles.
+    second = _grow(_device(start), 10)
     assert [got.tolist() for got in second] == [want.tolist() for want in expected]
-    gap = compiled_ops.RECURRENCE_GAP
-    assert stats.host_runs[aten.cat.default] == 10 - compiled_ops.EAGER_VARIANTS + gap
-    assert len(entry.shapes) == 10 - gap
+    assert stats.host_runs[aten.cat.default] == 2 * (10 - compiled_ops.EAGER_VARIANTS)
+    assert len(entry.shapes) == compiled_ops.EAGER_VARIANTS
 
 
 def _compile_four_shapes(dtype=torch.long):
     for length in range(1, compiled_ops.EAGER_VARIANTS + 1):
-        torch.cat([torch.zeros(1, length, dtype=dtype).cuda(), torch.zeros(1, 1, dtype=dtype).cuda()], dim=1)
+        torch.cat([_device(torch.zeros(1, length, dtype=dtype)), _device(torch.zeros(1, 1, dtype=dtype))], dim=1)
 
 
 def test_a_shape_that_every_round_meets_compiles_after_a_few(fresh_cat):
     """A shape that repeats while the op meets no other new one (a step that is the same each
     round) earns its program after RECURRENCE_COUNT calls."""
     _compile_four_shapes()
-    a, b = torch.arange(20).reshape(1, 20).cuda(), torch.ones(1, 3, dtype=torch.long).cuda()
     for _ in range(compiled_ops.RECURRENCE_COUNT + 2):
+        # (new tensors each round: one the host has read keeps its host value, and an op on it
+        # runs there)
+        a, b = _device(torch.arange(20).reshape(1, 20)), _device(torch.ones(1, 3, dtype=torch.long))
         out = torch.cat([a, b], dim=1)
     assert stats.host_runs[aten.cat.default] == compiled_ops.RECURRENCE_COUNT - 1
     assert out.tolist() == torch.cat([torch.arange(20).reshape(1, 20), torch.ones(1, 3, dtype=torch.long)], dim=1).tolist()
@@ -92,7 +102,7 @@ def test_a_shape_that_every_round_meets_compiles_after_a_few(fresh_cat):
 
 def test_a_result_kept_on_the_host_behaves_as_any_tensor(fresh_cat):
     _compile_four_shapes()
-    kept = torch.cat([torch.arange(6).reshape(1, 6).cuda(), torch.ones(1, 2, dtype=torch.long).cuda()], dim=1)
+    kept = torch.cat([_device(torch.arange(6).reshape(1, 6)), _device(torch.ones(1, 2, dtype=torch.long))], dim=1)
     reference = torch.cat([torch.arange(6).reshape(1, 6), torch.ones(1, 2, dtype=torch.long)], dim=1)
     assert type(kept._pending) is OnHost
     view = kept[:, 2:5]
@@ -124,12 +134,12 @@ def test_mapping_sweeps_run_no_op_on_the_host(fresh_cat):
 
     try:
         harness.activate()
-        assert not settings.host_new_shapes
+        assert not settings.host_int_ops
         _compile_four_shapes()
         torch.cat([torch.zeros(1, 9, dtype=torch.long).cuda(), torch.zeros(1, 1, dtype=torch.long).cuda()], dim=1)
         assert stats.host_runs[aten.cat.default] == 0
     finally:
-        settings.host_new_shapes = True
+        settings.host_int_ops = True
 
 
 @pytest.mark.parametrize(
@@ -164,7 +174,7 @@ def test_a_signature_past_the_ops_programs_runs_on_the_host_not_op_by_op(bridged
         for _ in range(3):  # three generate calls
             for length in range(1, total + 1):
                 mask = torch.ones(1, length, dtype=torch.long)
-                assert F.pad(mask.cuda(), (0, total + 1 - length)).tolist() == F.pad(mask, (0, total + 1 - length)).tolist()
+                assert F.pad(_device(mask), (0, total + 1 - length)).tolist() == F.pad(mask, (0, total + 1 - length)).tolist()
         assert len(dispatch._plans[op].entry.variants) == compiled_ops.MAX_VARIANTS
         assert stats.uncompiled_calls[op] == 0
         assert stats.host_runs[op] > total

@@ -23,7 +23,7 @@ from bridge.runtime.callsite import user_call_site, warn_at_user_site
 from bridge.runtime.config import settings
 from bridge.runtime.errors import BridgeWarning, DeviceError
 from bridge.runtime.dispatch import dispatch
-from bridge.runtime.tensor import BridgeTensor, read_value, to_bridge, to_bridge_autograd, write_value
+from bridge.runtime.tensor import BridgeTensor, on_host, read_value, to_bridge_autograd, to_numpy, write_value
 
 from . import collect, replace, wrap
 
@@ -383,7 +383,8 @@ def _make_on_host(function, args, kwargs):
 _DETERMINISTIC_FACTORIES = {"arange", "zeros", "ones", "full", "empty", "tensor", "as_tensor", "scalar_tensor", "eye", "range"}
 _MADE_MAX_ELEMENTS = 1 << 16
 _MADE_MAX_ENTRIES = 256
-_made = collections.OrderedDict()  # key (_made_key) -> jax.Array, the most recently used last
+# key (_made_key) -> [numpy array, its device copy or None], the most recently used last
+_made = collections.OrderedDict()
 
 
 def _hashable(value):
@@ -417,16 +418,28 @@ def _make_on_bridge(function, args, kwargs, index):
     positions, masks, token ids)."""
     key = None if settings.tracing else _made_key(function, args, kwargs, index)
     if key is not None:
-        array = _made.get(key)
-        if array is not None and not array.is_deleted():
+        cell = _made.get(key)
+        if cell is not None:
             _made.move_to_end(key)
-            return BridgeTensor(array, index)
+            return _from_cell(cell, index)
     result = _make_fresh(function, args, kwargs, index)
     if key is not None and _shareable(result):
-        _made[key] = result._value
+        cell = _made[key] = [to_numpy(result), None if result._pending is not None else read_value(result)]
         if len(_made) > _MADE_MAX_ENTRIES:
             _made.popitem(last=False)
+        if settings.host_int_ops:
+            return _from_cell(cell, index)
     return result
+
+
+def _from_cell(cell, index):
+    """A factory's kept result: its value on the host (ops on small integers run there, see
+    runtime/dispatch.py), and on the device once made there (`cell[1]`)."""
+    if settings.host_int_ops:
+        return on_host(cell[0], index, cell)
+    if cell[1] is None or cell[1].is_deleted():
+        cell[1] = devices.put(cell[0], index)
+    return BridgeTensor(cell[1], index)
 
 
 def _shareable(result):
@@ -456,7 +469,7 @@ def _make_fresh(function, args, kwargs, index):
         # Drawn on the host with the script's generator: the numbers torch gives for its seed.
         result = function(*args, **kwargs)
     if not isinstance(result, BridgeTensor):
-        result = to_bridge(result, index)
+        result = to_bridge_autograd(result, index)  # (a small integer result keeps its value on the host)
     elif result._index != index:
         result = result.to(devices.torch_device(index))
     if requires_grad:
