@@ -5,7 +5,7 @@ import os
 
 import jax
 
-from bridge.runtime import capture, devices, random, stats, versions
+from bridge.runtime import capture, deferred, devices, random, stats, versions
 from bridge.runtime.config import settings
 from bridge.runtime.errors import ActivationError
 
@@ -141,6 +141,7 @@ def deactivate():
     """Undo every patch, restoring torch's attributes exactly. Idempotent."""
     if not _state["active"]:
         return
+    deferred.flush()  # in-place updates waiting to run together (runtime/deferred.py)
     for patch in reversed(_state["patches"]):
         patch.undo()
     _state["patches"] = []

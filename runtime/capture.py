@@ -43,7 +43,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch.utils import _pytree as pytree
 
-from . import random
+from . import deferred, random
 from . import tensor as tensor_module
 from .callsite import _is_library
 from .config import KEEP_FOR_BACKWARD, settings
@@ -1268,6 +1268,8 @@ class Region:
         self.changes = 0  # calls in a row that changed an argument object's attributes
 
     def __call__(self, *args, **kwargs):
+        if deferred._current is not None and not settings.tracing:
+            deferred.flush()  # (a trace reads roots' values as they are: in-place updates run first)
         if self.broken is not None and settings.capture and not tracing_or_learning():
             return self._eagerly(args, kwargs)
         if self.broken is not None or not settings.capture or tracing_or_learning() or _forward_ad._current_level >= 0:

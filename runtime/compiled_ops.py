@@ -148,8 +148,17 @@ def _lifted_key(key, floats):
     ) + key[2:]
 
 
-def _with_floats(program, floats):
-    return lambda arrays: program(arrays, floats)
+class WithFloats:
+    """A lifted program with the floats of one call: called as a static variant is, with the
+    call's arrays (runtime/deferred.py takes the program and its floats apart)."""
+
+    __slots__ = ("program", "floats")
+
+    def __init__(self, program, floats):
+        self.program, self.floats = program, floats
+
+    def __call__(self, arrays):
+        return self.program(arrays, self.floats)
 
 
 def _erase_floats(spec):
@@ -212,7 +221,7 @@ class CompiledEntry:
             floats = []
             lifted = self.lifted.get(_lifted_key(key, floats))
             if lifted is not None:
-                program = _with_floats(lifted, floats)
+                program = WithFloats(lifted, floats)
         return program
 
     def has_compiled_many(self):

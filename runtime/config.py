@@ -20,6 +20,9 @@ class Settings:
         # host already, or where they would compile yet another shape (runtime/dispatch.py
         # _on_host). Off where the mappings themselves are measured.
         self.host_int_ops = os.environ.get("BRIDGE_HOST_INT_OPS", "1") != "0"
+        # Record in-place updates of floating-point tensors and run them together as one
+        # program at the first read of what they wrote (runtime/deferred.py).
+        self.defer_updates = os.environ.get("BRIDGE_DEFER_UPDATES", "1") != "0"
         # Execution mode: "captured" (regions run as compiled programs) or "eager" (op by op).
         self.mode = os.environ.get("BRIDGE_MODE", "captured")
         # Depth of region traces in progress (runtime/capture.py); table entries then run inline.

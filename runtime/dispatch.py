@@ -22,7 +22,7 @@ from .config import settings
 from .dtypes import TORCH_TO_JAX
 from .errors import CPUFallbackWarning, DeviceError, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
 from .registry import TORCH_GRADIENT, Mapping, mapping_of
-from . import torch_gradients
+from . import deferred, torch_gradients
 from .tensor import (
     BridgeTensor,
     OnHost,
@@ -33,6 +33,7 @@ from .tensor import (
     read_value,
     root_of,
     set_wrapper_layout,
+    settle,
     to_torch,
     torch_to_numpy,
     write_value,
@@ -1011,8 +1012,12 @@ def _inplace_plan(func, functional):
             key = _direct_key(args, kwargs)
             known = fast.get(key) if key is not None else None
             if known is not None and (not known[1].reads_precision or known[2] == config.precision_settings()):
-                write_value(args[0], known[0](_direct_arrays(args)))
-                return args[0]
+                target = args[0]
+                if settings.defer_updates and not target._chain and target.dtype.is_floating_point:
+                    deferred.current(target._index, args).record(known[0], target, args)
+                else:
+                    write_value(target, known[0](_direct_arrays(args)))
+                return target
         _precheck(func, args, kwargs)
         if not same_overload:
             args, kwargs = _with_defaults(func._schema, args, kwargs)
@@ -1112,6 +1117,7 @@ def replace_contents(target, value):
             target.copy_(numpy_to_torch(np.array(value)))
         return
     if tuple(target.shape) != tuple(value.shape):
+        settle(target)
         resized = BridgeTensor(value, target._index)
         set_wrapper_layout(target, resized)
         target._root, target._chain, target._value = None, (), value

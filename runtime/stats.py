@@ -52,6 +52,8 @@ host_runs = collections.Counter()  # OpOverload -> calls run on the host by torc
 uncompiled_calls = collections.Counter()
 uncompiled_reasons = {}
 dtype_corrections = {}  # OpOverload -> message
+# In-place updates run as batches (runtime/deferred.py): ops recorded, batches run, programs compiled
+deferred_ops = deferred_batches = deferred_programs = 0
 started = [time.perf_counter()]
 
 
@@ -61,6 +63,8 @@ def reset():
     fallback_sites.clear()
     fallback_calls.clear()
     host_runs.clear()
+    global deferred_ops, deferred_batches, deferred_programs
+    deferred_ops = deferred_batches = deferred_programs = 0
     uncompiled_calls.clear()
     dtype_corrections.clear()
     started[0] = time.perf_counter()

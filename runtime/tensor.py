@@ -115,6 +115,7 @@ class BridgeTensor(torch.Tensor):
         elif other._index != self._index:
             _layout_changed()
         value = read_value(other)
+        settle(self)
         self._root, self._chain, self._value = None, (), value
         self._generation += 1
         self._index = other._index
@@ -415,6 +416,14 @@ def held_only_by_their_tensors(tensors, values):
     return True
 
 
+def settle(tensor):
+    """Run the deferred work that gives a tensor's root its value, before its value is replaced
+    outside write_value (the deferred work would overwrite the replacement)."""
+    root = tensor if tensor._root is None else tensor._root
+    if root._pending is not None and not settings.tracing:
+        root._pending.resolve(root)
+
+
 def root_of(tensor):
     """The tensor owning a bridge tensor's data: itself, or the root it is a view of."""
     return tensor if tensor._root is None else tensor._root
@@ -429,6 +438,8 @@ def read_value(tensor):
         if tensor._pending is not None and not settings.tracing:
             tensor._pending.resolve(tensor)
         return tensor._value
+    if root._pending is not None and not settings.tracing:
+        root._pending.resolve(root)  # (deferred work writes the root: the view's value may change)
     if tensor._seen == root._generation:
         return tensor._value
     host = tensor._host
@@ -457,7 +468,7 @@ def read_values(tensors):
     values = []
     for tensor in tensors:
         root = tensor._root
-        if tensor._pending is None if root is None else tensor._seen == root._generation:
+        if tensor._pending is None if root is None else (tensor._seen == root._generation and root._pending is None):
             values.append(tensor._value)
         else:
             values.append(read_value(tensor))
@@ -624,8 +635,12 @@ def to_bridge(tensor, index=None):
     """A bridge tensor with the contents of a plain torch tensor (no autograd link)."""
     if index is None:
         index = devices.current_index()
-    value = devices.put(torch_to_numpy(tensor.cpu() if tensor.device.type != "cpu" else tensor), index)
-    return BridgeTensor(value, index)
+    array = torch_to_numpy(tensor.cpu() if tensor.device.type != "cpu" else tensor)
+    if devices.jax_device(index).platform == "cpu":
+        # XLA's CPU client may keep using the numpy array's memory rather than copy it, and
+        # that memory is the script's tensor: a later in-place write to it must not reach here.
+        array = array.copy()
+    return BridgeTensor(devices.put(array, index), index)
 
 
 def to_torch(tensor):

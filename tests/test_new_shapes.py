@@ -48,10 +48,12 @@ def _device(tensor):
 
 
 def _grow(ids, steps):
-    """generate's loop: the sequence grows by one token a step."""
+    """generate's loop: the sequence grows by one token a step (on the device, the token is made
+    there from the host's: only `cat` meets bridge tensors, whatever other ops' plans hold)."""
     grown = []
     for _ in range(steps):
-        ids = torch.cat([ids, (ids[:, -1:] * 3 + 1) % 97], dim=1)
+        token = (ids.cpu()[:, -1:] * 3 + 1) % 97
+        ids = torch.cat([ids, _device(token) if ids.device.type == "cuda" else token], dim=1)
         grown.append(ids)
     return grown
 

@@ -18,7 +18,7 @@ from torch.nn.parameter import UninitializedTensorMixin, is_lazy
 from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from bridge.runtime import devices, random
+from bridge.runtime import deferred, devices, random
 from bridge.runtime.callsite import user_call_site, warn_at_user_site
 from bridge.runtime.config import settings
 from bridge.runtime.errors import BridgeWarning, DeviceError
@@ -629,7 +629,9 @@ def _initialized_patch():
 
 @replace(torch.cuda, "synchronize")
 def synchronize(device=None):
-    # Every dispatched JAX computation finishes before this returns.
+    # Every dispatched JAX computation finishes before this returns, in-place updates waiting to
+    # run together (runtime/deferred.py) included.
+    deferred.flush()
     jax.effects_barrier()
     for array in jax.live_arrays():
         array.block_until_ready()
