@@ -40,6 +40,12 @@ def summary_text(data=None):
             "bridge: small integer ops ran on the host by torch's CPU kernels (token ids, positions, masks): "
             + ", ".join(f"{op} {count} call(s)" for op, count in list(data["host_runs"].items())[:5])
         )
+    deferred = data.get("deferred_updates")
+    if deferred and deferred["ops"]:
+        lines.append(
+            f"bridge: in-place updates ran together: {deferred['ops']} op(s) in {deferred['batches']} "
+            f"batch(es), {deferred['programs']} program(s) compiled for them"
+        )
     if data.get("uncompiled"):
         lines.append(
             "bridge: ops run uncompiled, a JAX dispatch per step of their mapping: "

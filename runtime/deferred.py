@@ -8,21 +8,24 @@ functional program is known for its arguments (runtime/dispatch.py `_inplace_pla
 is recorded instead of run: its program and its arguments' current arrays (which no later write
 can change: JAX arrays are immutable). The target's root holds the batch as its `_pending`
 work, so that the first read or write of any target runs the batch first, as one program
-composed of the recorded ones (compiled once per structure of the batch; a float that changes
-between steps is that program's argument, as for a single op). Nothing is observed out of order:
+composed of the recorded ones (compiled for a structure of batch met a second time, the first
+running its ops' programs one by one; a float that changes between steps is that program's
+argument, as for a single op). Nothing is observed out of order:
 a recorded op whose argument is an earlier op's target takes that op's result inside the
 program, and a region's call, a device synchronize and a host read all run the batch first."""
 
 import jax
 
 from . import stats
-from .tensor import read_value, root_of, write_value
+from .tensor import BridgeTensor, read_value, write_value
 
 # Ops a batch holds at most; the next one runs it first (a long loop still gets one program a
 # few hundred parameters).
 MAX_OPS = 512
 
 _composed = {}  # structure -> jitted program of the whole batch
+_seen = set()  # structures met once
+_KEPT = 64  # composed programs kept (past it, all are dropped and compiled again as they come)
 
 
 class PendingUpdates:
@@ -31,42 +34,12 @@ class PendingUpdates:
     __slots__ = ("steps", "arrays", "targets", "positions", "index")
 
     def __init__(self, index):
-        self.steps = []  # (program, floats program or None, argument sources)
+        self.steps = []  # (program, how many floats it takes last, argument sources: -1 - k for
+        # arrays[k], n >= 0 for step n's result)
         self.arrays = []  # the arrays the batch reads, in order
         self.targets = []  # the root each step writes
         self.positions = {}  # id(root) -> the step that last wrote it
         self.index = index
-
-    def record(self, program, target, args):
-        """Add `target = program(args' arrays)`; `target` is a root or a whole alias of one."""
-        sources = []
-        for value in args:
-            if isinstance(value, (list, tuple)):
-                for item in value:
-                    sources.append(self._source(item))
-            elif hasattr(value, "_root"):
-                sources.append(self._source(value))
-        floats = getattr(program, "floats", ())
-        if floats:  # (a compiled_ops.WithFloats: the floats are the program's arguments)
-            sources.extend(self._array(value) for value in floats)
-            program = program.program
-        root = root_of(target)
-        self.positions[id(root)] = len(self.steps)
-        self.steps.append((program, len(floats), tuple(sources)))
-        self.targets.append(root)
-        root._pending = self
-
-    def _source(self, tensor):
-        """Where a step's tensor argument comes from: an earlier step's result (a target read
-        whole), or its array (read already by current())."""
-        root = root_of(tensor)
-        if root._pending is self and not tensor._chain:
-            return ("step", self.positions[id(root)])
-        return self._array(read_value(tensor))
-
-    def _array(self, array):
-        self.arrays.append(array)
-        return ("array", len(self.arrays) - 1)
 
     def resolve(self, tensor=None):
         """Run the batch: one program, its results written into the targets."""
@@ -82,9 +55,18 @@ class PendingUpdates:
         writes = tuple(sorted(last.values()))
         structure = (tuple(self.steps), writes)
         program = _composed.get(structure)
-        if program is None:
+        if program is None and structure in _seen:
+            if len(_composed) >= _KEPT:
+                _composed.clear()
             program = _composed[structure] = jax.jit(_compose(self.steps, writes))
             stats.deferred_programs += 1
+        elif program is None:
+            # The first batch of its structure runs its ops' programs one by one, as they would
+            # have run unrecorded: a loop whose batches never repeat compiles nothing more.
+            if len(_seen) >= _KEPT * 4:
+                _seen.clear()
+            _seen.add(structure)
+            program = _compose(self.steps, writes)
         results = program(self.arrays)
         for position, value in zip(writes, results):
             write_value(self.targets[position], value)
@@ -96,7 +78,7 @@ def _compose(steps, writes):
     def run(arrays):
         results = []
         for program, floats, sources in steps:
-            values = [arrays[number] if kind == "array" else results[number] for kind, number in sources]
+            values = [arrays[-number - 1] if number < 0 else results[number] for number in sources]
             results.append(program(values[:-floats], values[-floats:]) if floats else program(values))
         return [results[position] for position in writes]
 
@@ -106,24 +88,52 @@ def _compose(steps, writes):
 _current = None
 
 
-def current(index, args):
-    """The batch that records a call with these arguments on bridge device `index`. Their
-    values are read first (a read may run deferred work: a folded clip's program, this batch
-    itself where an argument is a view of one of its targets), except those an earlier step of
-    the batch gives whole. A new batch starts where none records or the one recording is full or
-    for another device."""
+def record(program, target, args):
+    """Record `target = program(arrays of args' tensors)` (runtime/dispatch.py `_inplace_plan`:
+    the arrays in `_direct_arrays`' order); `target` is a root or a whole alias of one."""
     global _current
+    tensors = []
     for value in args:
-        for item in value if isinstance(value, (list, tuple)) else (value,):
-            if hasattr(item, "_root") and (item._chain or root_of(item)._pending is not _current or _current is None):
-                read_value(item)
-    batch = _current
-    if batch is not None and (batch.index != index or len(batch.steps) >= MAX_OPS):
-        batch.resolve()
-        batch = None
+        kind = type(value)
+        if kind is BridgeTensor:
+            tensors.append(value)
+        elif (kind is list or kind is tuple) and value and type(value[0]) is BridgeTensor:
+            tensors.extend(value)
+    index = target._index
+    while True:
+        batch = _current
+        if batch is not None and (batch.index != index or len(batch.steps) >= MAX_OPS):
+            batch.resolve()
+            batch = None
+        sources = []
+        for tensor in tensors:
+            root = tensor if tensor._root is None else tensor._root
+            if batch is not None and root._pending is batch and not tensor._chain:
+                sources.append(batch.positions[id(root)])  # an earlier step's result
+            else:
+                sources.append(read_value(tensor))  # (which may run deferred work, this batch too)
+        if _current is batch:
+            break
+        # A read ran the batch (an argument viewing one of its targets; a folded clip, whose
+        # program is a region's, which runs pending updates first): again, with none recording.
     if batch is None:
         batch = _current = PendingUpdates(index)
-    return batch
+    arrays = batch.arrays
+    for position, source in enumerate(sources):
+        if type(source) is not int:
+            arrays.append(source)
+            sources[position] = -len(arrays)  # (arrays as negative numbers, steps as others)
+    floats = getattr(program, "floats", ())
+    if floats:  # (a compiled_ops.WithFloats: the floats are the program's arguments)
+        for value in floats:
+            arrays.append(value)
+            sources.append(-len(arrays))
+        program = program.program
+    root = target if target._root is None else target._root
+    batch.positions[id(root)] = len(batch.steps)
+    batch.steps.append((program, len(floats), tuple(sources)))
+    batch.targets.append(root)
+    root._pending = batch
 
 
 def flush():

@@ -694,7 +694,7 @@ def _mapped_plan(func, mapping):
         if direct is not None and settings.host_int_ops and not settings.tracing:
             first = args[0] if args else None
             if type(first) is not BridgeTensor or first.dtype in _HOST_DTYPES:
-                out = _on_host(func, call, args, kwargs)
+                out = _on_host(func, call, args, kwargs, new_shapes=False)
                 if out is not None:
                     return out
         direct_key = None
@@ -707,6 +707,10 @@ def _mapped_plan(func, mapping):
                 program, index = known
                 out = program(_direct_arrays(args))
                 return _wrap(out, index) if type(out) in (tuple, list) else BridgeTensor(out, index)
+        if direct is not None and settings.host_int_ops and not settings.tracing:
+            out = _on_host(func, call, args, kwargs, new_shapes=True)  # (a shape with no program yet)
+            if out is not None:
+                return out
         if settings.check_signatures:
             key = _signature(func, args, kwargs)
             if key not in _checked:
@@ -795,32 +799,36 @@ def _host_form(value, waiting, hosted):
     return value
 
 
-def _on_host(func, call, args, kwargs):
+def _on_host(func, call, args, kwargs, new_shapes):
     """Run the call by torch's CPU kernel on the host values of its tensors (see _HOST_DTYPES);
     the result stays on the host until the device reads it (OnHost). None where the call is not
     for the host, torch's CPU kernel refuses it (a dtype it lacks, bad arguments: the mapping's
-    path then raises torch's error) or its result is floating point."""
+    path then raises torch's error) or its result is floating point. `new_shapes`: whether a call
+    of device values only may go too, for compiling yet another shape (asked where the call has
+    no program yet: the test costs more than a program call)."""
     waiting, hosted = [], []
     try:
         cpu_args = [_host_form(value, waiting, hosted) for value in args]
         cpu_kwargs = {name: _host_form(value, waiting, hosted) for name, value in kwargs.items()} if kwargs else kwargs
     except _NotForHost:
         return None
-    if not hosted and not waiting:
+    if not hosted and (not waiting or not new_shapes):
         return None
+    values = [read_value(tensor) for tensor in waiting]
+    if any(isinstance(value, jax.core.Tracer) for value in values):
+        return None  # (in a trace that is not a region's: a custom Function's backward)
     elements = sum(tensor.numel() for tensor in hosted) + sum(tensor.numel() for tensor in waiting)
     if hosted:  # some tensor's value is on the host
         if elements > _HOST_ELEMENTS:
             return None
-        for tensor in waiting:
-            value = read_value(tensor)
-            if isinstance(value, jax.core.Tracer) or not (value.is_ready() or tensor.numel() <= _WAIT_ELEMENTS):
+        for tensor, value in zip(waiting, values):
+            if not (value.is_ready() or tensor.numel() <= _WAIT_ELEMENTS):
                 return None
-    elif not (elements <= _NEW_SHAPE_ELEMENTS and _compiles_yet_another_shape(call, args, kwargs)):
+    elif not (new_shapes and elements <= _NEW_SHAPE_ELEMENTS and _compiles_yet_another_shape(call, args, kwargs)):
         return None
     if waiting:
-        for tensor in waiting:
-            keep_host(tensor, np.array(read_value(tensor)))  # a copy of its own, kept with the tensor
+        for tensor, value in zip(waiting, values):
+            keep_host(tensor, np.array(value))  # a copy of its own, kept with the tensor
         cpu_args = [_host_form(value, [], []) for value in args]
         cpu_kwargs = {name: _host_form(value, [], []) for name, value in kwargs.items()}
     try:
@@ -1014,7 +1022,7 @@ def _inplace_plan(func, functional):
             if known is not None and (not known[1].reads_precision or known[2] == config.precision_settings()):
                 target = args[0]
                 if settings.defer_updates and not target._chain and target.dtype.is_floating_point:
-                    deferred.current(target._index, args).record(known[0], target, args)
+                    deferred.record(known[0], target, args)
                 else:
                     write_value(target, known[0](_direct_arrays(args)))
                 return target
@@ -1070,6 +1078,7 @@ def _inplace_view_plan(func, functional):
     def run(args, kwargs):
         _precheck(func, args, kwargs)
         target = args[0]
+        settle(target)  # (deferred work would write the old layout after the change)
         result = _run_uncounted(functional, args, kwargs)
         value = _result_value(result, target)
         if tuple(target.shape) != tuple(value.shape):

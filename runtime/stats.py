@@ -94,6 +94,7 @@ def summary():
             {"op": str(op), "calls": fallback_calls[op], "first_call_site": site} for op, site in fallback_sites.items()
         ],
         "host_runs": {str(op): count for op, count in host_runs.most_common()},
+        "deferred_updates": {"ops": deferred_ops, "batches": deferred_batches, "programs": deferred_programs},
         "uncompiled": [
             {"op": str(op), "calls": count, "why": uncompiled_reasons.get(op, "")} for op, count in uncompiled_calls.most_common()
         ],

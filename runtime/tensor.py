@@ -97,8 +97,14 @@ class BridgeTensor(torch.Tensor):
         if not self._chain and trace_hook is None and not settings.tracing:
             # An alias of the whole root made here, as `detach` makes it: through torch's
             # dispatch it took 5x as long (an update loop's `p.data.add_(...)`, per parameter).
-            value = read_value(self)
             root = root_of(self)
+            if root._pending is not None:
+                # Deferred work writes the root (runtime/deferred.py): the alias reads it when
+                # read, so that `ema.data.mul_(d)` after `ema.data.add_(x)` records too.
+                alias = BridgeTensor(root._value, self._index)
+                alias._root, alias._seen = root, -1
+                return alias
+            value = read_value(self)
             alias = BridgeTensor(value, self._index)
             alias._root, alias._seen = root, root._generation
             return alias

@@ -58,6 +58,10 @@ def test_a_hand_written_update_loop_runs_as_one_program_and_matches_torch(counte
     # updates ran as one batch, with one program for both learning rates.
     assert stats.deferred_batches >= 10 and stats.deferred_ops >= 40
     assert stats.deferred_programs <= 2
+    from bridge.report import summary_text
+
+    (line,) = [line for line in summary_text().splitlines() if "in-place updates ran together" in line]
+    assert f"{stats.deferred_ops} op(s) in {stats.deferred_batches} batch(es)" in line
 
 
 def test_a_chain_of_updates_to_one_tensor_stays_in_one_batch(counted):

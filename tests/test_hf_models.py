@@ -21,6 +21,7 @@ The optional group `hf` (pip install -e ".[hf]"); deselect with `pytest -m "not 
 """
 
 import copy
+import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -55,6 +56,8 @@ class Case:
     # Why captured regions of this model break (None: they must not). Library code sees
     # torch.compiler.is_compiling() in a trace and takes its compile-friendly paths.
     breaks: str = None
+    # Whether it runs at XLA's default LLVM level rather than the suite's level 0 (see the test).
+    default_llvm_level: bool = False
 
 
 def _tokens(generator, length=LENGTH, vocab=VOCAB):
@@ -190,6 +193,7 @@ CASES = {
         "mask): a shape that comes from the data, which no static program holds (torch.compile breaks there "
         "too); the regions below it (attention, each expert) stay compiled",
         why="top-1 routing with expert capacity, router z-loss and load-balancing loss",
+        default_llvm_level=True,
     ),
 }
 
@@ -300,6 +304,21 @@ def _compare(case, reference, result, truth=None):
 @pytest.mark.parametrize("name", [pytest.param(name, marks=case.marks, id=name) for name, case in CASES.items()])
 def test_model_trains_like_eager_torch(name, bridged):
     case = CASES[name]
+    if case.default_llvm_level and "xla_backend_optimization_level=0" in os.environ.get("XLA_FLAGS", ""):
+        # The suite compiles at LLVM level 0 (tests/conftest.py), which rounds a multiply-add twice
+        # where the default level fuses it as torch does. On some CPUs one element of Switch's
+        # query gradient then lands at 2.03x torch's error against float64 (2.58e-7 against
+        # 1.28e-7), past the rounding rule of _compare; users run the default level, so this case
+        # runs there, in a process of its own.
+        from conftest import run_python
+
+        child = run_python(
+            "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{__file__}::test_model_trains_like_eager_torch[{name}]",
+            env={"XLA_FLAGS": os.environ["XLA_FLAGS"].replace("optimization_level=0", "optimization_level=2")},
+            timeout=600,
+        )  # fmt: skip
+        assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-3000:]
+        return
     torch.manual_seed(0)
     model = case.build()
     model.train()
