@@ -169,6 +169,16 @@ def _erase_floats(spec):
     return spec
 
 
+def _has_float(values, keywords):
+    """Whether a call's arguments hold a Python float or complex (at the top or in a list)."""
+    for value in list(values) + list(keywords.values()):
+        if isinstance(value, (float, complex)):
+            return True
+        if isinstance(value, (list, tuple)) and _has_float(value, {}):
+            return True
+    return False
+
+
 def _returns_only_tensors(op):
     returns = op._schema.returns
     return bool(returns) and all(str(item.type).startswith("Tensor") for item in returns)
@@ -185,7 +195,7 @@ def _shaped(key, arrays):
 class CompiledEntry:
     """Runs one table entry, compiled per static signature when it can be."""
 
-    __slots__ = ("op", "call", "variants", "lifted", "shapes", "seen", "enabled", "float_free", "reads_precision")
+    __slots__ = ("op", "call", "variants", "lifted", "shapes", "seen", "enabled", "float_free", "reads_precision", "last")
 
     def __init__(self, op, call):
         self.op = op
@@ -202,6 +212,7 @@ class CompiledEntry:
         # programs are keyed on those settings too, so that a script changing them mid-run
         # (torch.set_float32_matmul_precision) gets what it asked for.
         self.reads_precision = False
+        self.last = None  # the program the last call ran (None: uncompiled), for dispatch's direct calls
 
     def _key(self, values, keywords, arrays):
         positional_spec = tuple(_spec(value, arrays) for value in values)
@@ -209,20 +220,6 @@ class CompiledEntry:
         if self.reads_precision:
             return (positional_spec, keyword_spec, config.precision_settings())
         return (positional_spec, keyword_spec)
-
-    def variant(self, values, keywords):
-        """The compiled program that runs these arguments, taking their arrays as one list (for
-        the precision settings now, if it reads them); None if there is none."""
-        if not (self.enabled and settings.compile_ops):
-            return None
-        key = self._key(values, keywords, [])
-        program = self.variants.get(key)
-        if program is None and self.lifted:
-            floats = []
-            lifted = self.lifted.get(_lifted_key(key, floats))
-            if lifted is not None:
-                program = WithFloats(lifted, floats)
-        return program
 
     def has_compiled_many(self):
         """Whether the op compiles its calls and has compiled EAGER_VARIANTS shapes already."""
@@ -254,6 +251,7 @@ class CompiledEntry:
         return len(self.seen) - seen[0] <= RECURRENCE_GAP and seen[1] < RECURRENCE_COUNT
 
     def __call__(self, values, keywords):
+        self.last = None  # the program this call runs (stays None where it runs uncompiled)
         if not (self.enabled and settings.compile_ops) or settings.tracing:
             if not self.enabled and settings.compile_ops and not settings.tracing and self.op in stats.uncompiled_reasons:
                 return self._uncompiled(values, keywords)  # (an op that stopped compiling)
@@ -266,13 +264,15 @@ class CompiledEntry:
                 out = compiled(arrays)
                 if len(self.shapes) < _SHAPES_KEPT:
                     self.shapes.add(_shaped(key, arrays))
+                self.last = compiled
                 return out
             except _TRACE_ERRORS:
                 # New array dtypes/shapes retraced into a data-dependent path (a bool mask
                 # where an integer index was compiled): run this op uncompiled from now on.
                 self.enabled = False
                 return self._uncompiled(values, keywords, "its trace needs data-dependent values")
-        float_free = _erase_floats(key)
+        # (a key with no float is its own float-free form: most are, and erasing walks it all)
+        float_free = _erase_floats(key) if _has_float(values, keywords) else key
         if float_free in self.float_free:
             return self._lifted_call(key, values, keywords, arrays)
         if len(self.variants) >= MAX_VARIANTS:
@@ -294,6 +294,7 @@ class CompiledEntry:
             key = key + (config.precision_settings(),)
         self.variants[key] = compiled
         self.shapes.add(_shaped(key, arrays))
+        self.last = compiled
         return out
 
     def _lifted_call(self, key, values, keywords, arrays):
@@ -326,6 +327,7 @@ class CompiledEntry:
             self.float_free = set()
             return out
         self.lifted[lifted_key] = program
+        self.last = WithFloats(program, floats)
         if len(self.shapes) < _SHAPES_KEPT:
             self.shapes.add(_shaped(lifted_key, arrays))
         return out

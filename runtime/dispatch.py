@@ -743,7 +743,7 @@ def _mapped_plan(func, mapping):
         if mutating:
             return _wrap(out, index), updates
         if direct_key is not None and (not settings.check_signatures or _checked.get(key) is None):
-            _remember_direct(direct, direct_key, args, call.variant(values, keywords), index)
+            _remember_direct(direct, direct_key, args, call.last, index)
         return _wrap(out, index)
 
     run.direct, run.entry = direct, call  # for the in-place forms derived from this op
