@@ -759,12 +759,13 @@ def _mapped_plan(func, mapping):
 # whose shapes keep changing. The result stays on the host until the device reads it. Integer
 # results are exact either way; floating-point ops stay on the device (torch's CPU kernels round
 # their own way).
-_HOST_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64})
+_HOST_DTYPES = tensor_module.HOST_DTYPES
 
-# Elements of an op's tensors, in all, up to which it runs on the host: copying 2**16 elements
-# to the device takes well under a millisecond. A new shape of an op that keeps changing shapes
-# runs there up to 2**18 (compiling costs tens of milliseconds).
-_HOST_ELEMENTS = 1 << 16
+# Elements of an op's tensors, in all, up to which it runs on the host (those moved there, as
+# runtime.tensor.HOST_ELEMENTS: copying 2**16 elements to the device takes well under a
+# millisecond). A new shape of an op that keeps changing shapes runs there up to 2**18
+# (compiling costs tens of milliseconds).
+_HOST_ELEMENTS = tensor_module.HOST_ELEMENTS
 _NEW_SHAPE_ELEMENTS = 1 << 18
 
 # A tensor of at most this many elements still being computed on the device is waited for, to
