@@ -17,7 +17,7 @@ program, and a region's call, a device synchronize and a host read all run the b
 import jax
 
 from . import stats
-from .tensor import BridgeTensor, read_value, write_value
+from .tensor import read_value, root_of, write_value
 
 # Ops a batch holds at most; the next one runs it first (a long loop still gets one program a
 # few hundred parameters).
@@ -88,17 +88,11 @@ def _compose(steps, writes):
 _current = None
 
 
-def record(program, target, args):
-    """Record `target = program(arrays of args' tensors)` (runtime/dispatch.py `_inplace_plan`:
-    the arrays in `_direct_arrays`' order); `target` is a root or a whole alias of one."""
+def record(program, target, tensors):
+    """Record `target = program(the arrays of tensors)` (runtime/dispatch.py `_inplace_plan`'s
+    direct call, `tensors` in the order the program takes their arrays); `target` is a root or a
+    whole alias of one."""
     global _current
-    tensors = []
-    for value in args:
-        kind = type(value)
-        if kind is BridgeTensor:
-            tensors.append(value)
-        elif (kind is list or kind is tuple) and value and type(value[0]) is BridgeTensor:
-            tensors.extend(value)
     index = target._index
     while True:
         batch = _current
@@ -107,7 +101,7 @@ def record(program, target, args):
             batch = None
         sources = []
         for tensor in tensors:
-            root = tensor if tensor._root is None else tensor._root
+            root = root_of(tensor)
             if batch is not None and root._pending is batch and not tensor._chain:
                 sources.append(batch.positions[id(root)])  # an earlier step's result
             else:
@@ -129,7 +123,7 @@ def record(program, target, args):
             arrays.append(value)
             sources.append(-len(arrays))
         program = program.program
-    root = target if target._root is None else target._root
+    root = root_of(target)
     batch.positions[id(root)] = len(batch.steps)
     batch.steps.append((program, len(floats), tuple(sources)))
     batch.targets.append(root)

@@ -651,17 +651,22 @@ def _direct_item(value):
     return None
 
 
-def _direct_arrays(args):
-    """The arrays of a direct call's arguments, in the order its program takes them (a list's
-    tensors where the list stands)."""
-    arrays = []
+def _direct_tensors(args):
+    """The bridge tensors of a direct call's arguments, in the order its program takes their
+    arrays (a list's tensors where the list stands)."""
+    tensors = []
     for value in args:
         kind = type(value)
         if kind is BridgeTensor:
-            arrays.append(read_value(value))
+            tensors.append(value)
         elif (kind is list or kind is tuple) and value and type(value[0]) is BridgeTensor:
-            arrays.extend(read_value(item) for item in value)
-    return arrays
+            tensors.extend(value)
+    return tensors
+
+
+def _direct_arrays(args):
+    """The arrays of a direct call's arguments, in the order its program takes them."""
+    return [read_value(tensor) for tensor in _direct_tensors(args)]
 
 
 def _direct_key(args, kwargs):
@@ -836,16 +841,10 @@ def _on_host(func, call, args, kwargs, new_shapes):
         result = func(*cpu_args, **cpu_kwargs)
     except (RuntimeError, NotImplementedError, TypeError):
         return None
-    index = (hosted or waiting)[0]._index
-    if type(result) is torch.Tensor:
-        if result.is_floating_point() or result.is_complex():
-            return None  # (an integer division's quotient)
-        stats.host_runs[func] += 1
-        return on_host(result.numpy(), index)
     if any(item.is_floating_point() or item.is_complex() for item in _leaves(result) if isinstance(item, torch.Tensor)):
-        return None
+        return None  # (an integer division's quotient)
     stats.host_runs[func] += 1
-    return _from_host(result, index)
+    return _from_host(result, (hosted or waiting)[0]._index)
 
 
 def _abstract(value):
@@ -1023,7 +1022,7 @@ def _inplace_plan(func, functional):
             if known is not None and (not known[1].reads_precision or known[2] == config.precision_settings()):
                 target = args[0]
                 if settings.defer_updates and not target._chain and target.dtype.is_floating_point:
-                    deferred.record(known[0], target, args)
+                    deferred.record(known[0], target, _direct_tensors(args))
                 else:
                     write_value(target, known[0](_direct_arrays(args)))
                 return target

@@ -425,7 +425,7 @@ def held_only_by_their_tensors(tensors, values):
 def settle(tensor):
     """Run the deferred work that gives a tensor's root its value, before its value is replaced
     outside write_value (the deferred work would overwrite the replacement)."""
-    root = tensor if tensor._root is None else tensor._root
+    root = root_of(tensor)
     if root._pending is not None and not settings.tracing:
         root._pending.resolve(root)
 
@@ -506,10 +506,8 @@ def write_value(tensor, value):
         # weight.mul_(0.5)`): torch's autograd records nothing, so gradients of later uses flow
         # to the tensor as they would have without the write, and none to what was written.
         value = _written_without_grad(read_value(tensor), value)
+    settle(tensor)  # the deferred work read the value before this write
     root = tensor._root
-    owner = tensor if root is None else root
-    if owner._pending is not None and not settings.tracing:
-        owner._pending.resolve(owner)  # the deferred work read the value before this write
     if root is None:
         tensor._value = value
         tensor._generation += 1
