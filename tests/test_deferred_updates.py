@@ -8,16 +8,26 @@ import io
 import pytest
 import torch
 
-from bridge.runtime import deferred, stats
+from bridge.runtime import deferred, dispatch, stats
 from bridge.runtime.config import settings
 
 
 @pytest.fixture
 def counted(bridged):
+    """Counts from zero, with `add` and `add_` planned afresh (which programs an update records,
+    a float's static one or its lifted one, depends on the calls the op met before)."""
     deferred.flush()
     stats.reset()
-    yield bridged
-    deferred.flush()
+    ops = (torch.ops.aten.add.Tensor, torch.ops.aten.add_.Tensor)
+    earlier = {op: dispatch._plans.pop(op, None) for op in ops}
+    try:
+        yield bridged
+    finally:
+        deferred.flush()
+        for op, plan in earlier.items():
+            dispatch._plans.pop(op, None)
+            if plan is not None:
+                dispatch._plans[op] = plan
 
 
 def _net():
