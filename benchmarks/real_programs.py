@@ -58,6 +58,17 @@ sys.path.insert(0, HERE)
 
 import machine  # noqa: E402
 
+# The figure each program's table reports: the key of its results and the figure's unit.
+FIGURES = {
+    "nanogpt-bench": ("ms_per_step", "ms"),
+    "hf-trainer": ("ms_per_step", "ms"),
+    "timm": ("ms_per_step", "ms"),
+    "vit": ("ms_per_step", "ms"),
+    "generate": ("ms_per_token", "ms a token"),
+    "imagenet": ("steady_batch_seconds", "s/batch"),
+    "word-lm": ("ms_per_batch", "ms/batch"),
+}
+
 
 def _env(extra=None):
     env = dict(os.environ)
@@ -267,16 +278,7 @@ def report(results, versions, out):
         "|---|---|---|---|---|---|",
     ]
     for program, cases in results.items():
-        key = {
-            "nanogpt-bench": "ms_per_step",
-            "hf-trainer": "ms_per_step",
-            "timm": "ms_per_step",
-            "vit": "ms_per_step",
-            "generate": "ms_per_token",
-            "imagenet": "steady_batch_seconds",
-            "word-lm": "ms_per_batch",
-        }[program]
-        unit = "s/batch" if program == "imagenet" else "ms"
+        key, unit = FIGURES[program]
         values = {case: cases.get(case, {}).get(key) for case in ("torch", "torch-compile", "bridge")}
         cell = lambda value: "-" if value is None else f"{value} {unit}"  # noqa: E731
         lines.append(
