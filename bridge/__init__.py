@@ -11,6 +11,8 @@ BRIDGE_DEVICE, BRIDGE_MODE, BRIDGE_STRICT, BRIDGE_REPORT, BRIDGE_QUIET override 
 """
 
 import contextlib
+from collections.abc import Iterator
+from typing import Any
 
 from bridge import _layers
 
@@ -22,6 +24,7 @@ from bridge.runtime.errors import (  # noqa: E402,F401  (re-exported for users)
     BridgeWarning,
     CPUFallbackWarning,
     DeviceError,
+    GraphBreak,
     MappingDtypeWarning,
     MappingMismatchError,
     UnsupportedOpError,
@@ -35,7 +38,7 @@ __version__ = "0.1.0"
 
 
 @contextlib.contextmanager
-def active(**options):
+def active(**options: Any) -> Iterator[None]:
     """Activate for the body of a `with` block; a no-op if the bridge is already active."""
     already = is_active()
     if not already:
@@ -57,6 +60,7 @@ __all__ = [
     "UnsupportedOpError",
     "MappingMismatchError",
     "DeviceError",
+    "GraphBreak",
     "ActivationError",
     "UnsupportedVersionError",
     "BridgeWarning",

@@ -26,7 +26,7 @@ _PLATFORMS = {"auto": None, "cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "t
 _state = {"active": False, "patches": []}
 
 
-def is_active():
+def is_active() -> bool:
     return _state["active"]
 
 
@@ -34,7 +34,7 @@ MODES = ("captured", "eager")
 RESIDUALS = ("matmuls", "all", "recompute")  # settings.residuals (runtime/config.py)
 
 
-def activate(device="auto", strict=False, check_signatures=True, mode=None):
+def activate(device: str = "auto", strict: bool = False, check_signatures: bool = True, mode: str | None = None) -> None:
     """Route torch's 'cuda' device to JAX. Idempotent: a second call changes nothing.
 
     device: the JAX platform 'cuda' stands for: 'auto' (JAX's default backend),
@@ -129,7 +129,7 @@ def _use_compilation_cache():
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
-def set_mode(mode):
+def set_mode(mode: str) -> str:
     """Switch between 'captured' and 'eager' execution (active or not); returns the previous mode."""
     if mode not in MODES:
         raise ActivationError(f"mode={mode!r} is not one of {list(MODES)}")
@@ -137,7 +137,7 @@ def set_mode(mode):
     return previous
 
 
-def deactivate():
+def deactivate() -> None:
     """Undo every patch, restoring torch's attributes exactly. Idempotent."""
     if not _state["active"]:
         return

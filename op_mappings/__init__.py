@@ -40,4 +40,5 @@ from . import (  # noqa: F401  (imported for their registrations)
     special,
     distances,
     recurrent,
+    traits,
 )

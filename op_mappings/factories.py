@@ -215,12 +215,12 @@ def triu_indices(row, col, offset=0, *, dtype=torch.int64, layout=None, device=N
 # ---------------------------------------------------------------- values from and to the host
 
 
-@register_mapping(aten.lift_fresh.default, aten.lift_fresh_copy.default)
+@register_mapping(aten.lift_fresh.default, aten.lift_fresh_copy.default, identity_view=True)
 def lift_fresh(self):
     return self
 
 
-@register_mapping(aten._local_scalar_dense.default)
+@register_mapping(aten._local_scalar_dense.default, meta="data-dependent")
 def local_scalar_dense(self):
     # `.item()`: a host sync by definition, so the one entry that is not traceable on purpose.
     # torch allows it on any one-element tensor, not only 0-dim ones. The copy to the host

@@ -58,7 +58,7 @@ def _group_sizes(offs):
     return jnp.diff(offs, prepend=jnp.zeros((1,), offs.dtype))
 
 
-@register_mapping(aten._grouped_mm.default)
+@register_mapping(aten._grouped_mm.default, meta="stricter")
 def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     out_dtype = jnp_dtype(out_dtype)
     _check(self, mat2, offs, bias, out_dtype)

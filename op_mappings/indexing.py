@@ -354,7 +354,7 @@ def put(self, index, source, accumulate=False):
     return flat.reshape(self.shape)
 
 
-@register_mapping(aten.nonzero.default)
+@register_mapping(aten.nonzero.default, meta="data-dependent")
 def nonzero(self):
     # Data-dependent shape: eager only.
     if self.ndim == 0:
@@ -372,13 +372,13 @@ def nonzero_static(self, *, size, fill_value=-1):
     return jnp.stack(positions, axis=1).astype(_INDEX_DTYPE)
 
 
-@register_mapping(aten.where.default)
+@register_mapping(aten.where.default, meta="data-dependent")
 def where(condition):
     # Data-dependent shape: eager only.
     return list(_nonzero(condition))
 
 
-@register_mapping(aten.masked_select.default)
+@register_mapping(aten.masked_select.default, meta="data-dependent")
 def masked_select(self, mask):
     # Data-dependent shape: eager only.
     shape = jnp.broadcast_shapes(self.shape, mask.shape) or (1,)  # a 0-dim pair selects as one element
@@ -525,7 +525,7 @@ def embedding_bag_per_sample_weights_backward(grad, weight, indices, offsets, of
 # ---------------------------------------------------------------- repeat_interleave
 
 
-@register_mapping(aten.repeat_interleave.Tensor)
+@register_mapping(aten.repeat_interleave.Tensor, meta="data-dependent")
 def repeat_interleave(repeats, *, output_size=None):
     if output_size is None:
         # Data-dependent length: reads the total on the host, so eager only unless output_size is given.
@@ -645,7 +645,7 @@ def _sized_unique(flat, size):
     return jnp.unique(flat, return_inverse=True, return_counts=True, size=size)
 
 
-@register_mapping(aten._unique2.default)
+@register_mapping(aten._unique2.default, meta="data-dependent")
 def unique(self, sorted=True, return_inverse=False, return_counts=False):
     flat = self.reshape(-1)
     values, inverse, counts = _sized_unique(flat, size=int(_count_unique(flat)) if flat.size else 0)
@@ -656,7 +656,7 @@ def unique(self, sorted=True, return_inverse=False, return_counts=False):
     )
 
 
-@register_mapping(aten.unique_dim.default)
+@register_mapping(aten.unique_dim.default, meta="data-dependent")
 def unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False):
     dim = wrap_dim(dim, self.ndim)
     values, inverse, counts = jnp.unique(self, axis=dim, return_inverse=True, return_counts=True)
@@ -664,7 +664,7 @@ def unique_dim(self, dim, sorted=True, return_inverse=False, return_counts=False
     return values, inverse.reshape(-1).astype(_INDEX_DTYPE), counts.astype(_INDEX_DTYPE)
 
 
-@register_mapping(aten.unique_consecutive.default)
+@register_mapping(aten.unique_consecutive.default, meta="data-dependent")
 def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None):
     if dim is None:
         rows = self.reshape(-1, 1)

@@ -309,7 +309,7 @@ def _multilabel_targets(self, target):
     return accumulator, classes, scores, samples, listed, jnp.where(listed, target, 0)
 
 
-@register_mapping(aten.multilabel_margin_loss_forward.default)
+@register_mapping(aten.multilabel_margin_loss_forward.default, meta="shape-differs")
 def multilabel_margin_loss_forward(self, target, reduction):
     # torch's decomposition lets the -1 padding of the targets count as class 0 (it gathers the
     # padded slots from class 0 and never masks them out); its kernel, followed here, stops at the first -1.

@@ -476,7 +476,7 @@ def cummin(self, dim):
 # ---------------------------------------------------------------- comparisons returning Python bools
 
 
-@register_mapping(aten.equal.default)
+@register_mapping(aten.equal.default, meta="data-dependent")
 def equal(self, other):
     # A Python bool is a host value by nature: this entry reads the device once.
     if self.shape != other.shape:
@@ -484,7 +484,7 @@ def equal(self, other):
     return bool(jnp.all(self == other))
 
 
-@register_mapping(aten.allclose.default)
+@register_mapping(aten.allclose.default, meta="data-dependent")
 def allclose(self, other, rtol=1e-05, atol=1e-08, equal_nan=False):
     return bool(jnp.all(jnp.isclose(self, other, rtol=rtol, atol=atol, equal_nan=equal_nan)))
 

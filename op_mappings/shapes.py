@@ -48,7 +48,10 @@ def _slice_index(ndim, dim, start, end, step):
 # ---------------------------------------------------------------- reshapes
 
 
-@register_mapping(aten.view.default, aten._unsafe_view.default, aten.view_copy.default, aten.reshape.default, aten._reshape_copy.default)
+@register_mapping(
+    aten.view.default, aten._unsafe_view.default, aten.view_copy.default, aten.reshape.default, aten._reshape_copy.default,
+    identity_view=True,
+)
 def view(self, size):
     return jnp.reshape(self, tuple(size))
 
@@ -90,7 +93,7 @@ def view_as_complex(self):
     return lax.complex(self[..., 0], self[..., 1])
 
 
-@register_mapping(aten.alias.default, aten.alias_copy.default, aten.detach.default, aten.detach_copy.default)
+@register_mapping(aten.alias.default, aten.alias_copy.default, aten.detach.default, aten.detach_copy.default, identity_view=True)
 def alias(self):
     return self
 
@@ -142,7 +145,7 @@ def movedim(self, source, destination):
 # ---------------------------------------------------------------- adding and removing dims
 
 
-@register_mapping(aten.expand.default, aten.expand_copy.default)
+@register_mapping(aten.expand.default, aten.expand_copy.default, identity_view=True)
 def expand(self, size, *, implicit=False):
     size = tuple(size)
     leading = len(size) - self.ndim
@@ -156,17 +159,17 @@ def expand_as(self, other):
     return jnp.broadcast_to(self, other.shape)
 
 
-@register_mapping(aten.squeeze.default, aten.squeeze_copy.default)
+@register_mapping(aten.squeeze.default, aten.squeeze_copy.default, identity_view=True)
 def squeeze(self):
     return jnp.squeeze(self)
 
 
-@register_mapping(aten.squeeze.dim, aten.squeeze_copy.dim)
+@register_mapping(aten.squeeze.dim, aten.squeeze_copy.dim, identity_view=True)
 def squeeze_dim(self, dim):
     return squeeze_dims(self, [dim])
 
 
-@register_mapping(aten.squeeze.dims, aten.squeeze_copy.dims)
+@register_mapping(aten.squeeze.dims, aten.squeeze_copy.dims, identity_view=True)
 def squeeze_dims(self, dim):
     if self.ndim == 0:
         return self

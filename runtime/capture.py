@@ -47,7 +47,7 @@ from . import deferred, random
 from . import tensor as tensor_module
 from .callsite import _is_library
 from .config import KEEP_FOR_BACKWARD, settings
-from .errors import BridgeError
+from .errors import GraphBreak
 from .tensor import BridgeTensor, read_value, root_of, write_value
 
 # Programs kept per region before it is left to run eagerly (torch.compile's cache_size_limit).
@@ -56,15 +56,6 @@ MAX_PROGRAMS = 8
 MAX_RETRACES = 3
 # Eager runs of a region to learn the values its code needs on the host (Region._learn).
 MAX_LEARNS = 4
-
-
-class GraphBreak(BridgeError):
-    """A region could not be captured; `reason` says why, `site` where in the user's code."""
-
-    def __init__(self, reason, site=None):
-        super().__init__(reason if site is None else f"{reason} (at {site})")
-        self.reason = reason
-        self.site = site
 
 
 class _FreeTensors(Exception):
@@ -503,10 +494,9 @@ def _trace_body(function, program, watched=None):
         global _trace
         roots = program.roots
         saved = [(root._value, root._generation) for root in roots]
-        saved_key = random._state["key"]
         trace = _Trace(roots, program.learned)
         previous_trace = _trace
-        previous_host_hook = tensor_module.host_value_hook
+        saved_key = random.swap_key(key)
         try:
             for root, value in zip(roots, root_values):
                 root._value = value
@@ -522,13 +512,11 @@ def _trace_body(function, program, watched=None):
                     leaves[position] = leaf.rebuild(given)
                     copies.append((leaf, leaves[position], given))
             args, kwargs = pytree.tree_unflatten(leaves, program.spec)
-            random._state["key"] = key
             # autocast caches the casts of parameters for the length of its block: a cast made
             # before the trace would enter it as a constant, and one made in it would leak.
             torch.clear_autocast_cache()
             _trace = trace
-            tensor_module.trace_hook = trace.touch
-            tensor_module.host_value_hook = trace.host_value
+            previous_hooks = tensor_module.set_hooks(trace.touch, trace.host_value)
             settings.tracing += 1
             outer_for_grad = settings.tracing_for_grad
             settings.tracing_for_grad = program.grad
@@ -546,8 +534,7 @@ def _trace_body(function, program, watched=None):
                 settings.tracing -= 1
                 settings.tracing_for_grad = outer_for_grad
                 _trace = previous_trace
-                tensor_module.trace_hook = None if previous_trace is None else previous_trace.touch
-                tensor_module.host_value_hook = previous_host_hook
+                tensor_module.set_hooks(*previous_hooks)
                 leaked = watch.restore() if watch is not None else []
             kept = [stored for stored in leaked if isinstance(stored.value, BridgeTensor)]
             if len(kept) < len(leaked):
@@ -598,14 +585,14 @@ def _trace_body(function, program, watched=None):
             mutated = [roots[position]._value for position in program.mutated_roots]
             written = [read_value(inputs[position]) for position in program.mutated_inputs]
             program.expected = trace.expected
-            return arrays, mutated, written, random._state["key"], trace.guards
+            return arrays, mutated, written, random.current_key(), trace.guards
         finally:
             torch.clear_autocast_cache()
             trace.restore_free()
             for root, (value, generation) in zip(roots, saved):
                 root._value = value
                 root._generation = max(root._generation, generation) + 1
-            random._state["key"] = saved_key
+            random.swap_key(saved_key)
 
     return body
 
@@ -933,7 +920,7 @@ def _write_back(program, input_tensors, mutated, written, new_key):
         write_value(program.roots[position], value)
     for position, value in zip(program.mutated_inputs, written):
         write_value(input_tensors[position], value)
-    random._state["key"] = new_key
+    random.swap_key(new_key)
 
 
 def _outputs(program, arrays):
@@ -1339,13 +1326,15 @@ class Region:
                 args,
                 kwargs,
             )
-        recorder, outer, outer_hook = _Recorder(), _recording, tensor_module.host_value_hook
-        _recording, tensor_module.host_value_hook = recorder, recorder
+        recorder, outer = _Recorder(), _recording
+        _recording = recorder
+        outer_hooks = tensor_module.set_hooks(tensor_module.trace_hook, recorder)
         start = time.perf_counter()
         try:
             result = self.function(*args, **kwargs)
         finally:
-            _recording, tensor_module.host_value_hook = outer, outer_hook
+            _recording = outer
+            tensor_module.set_hooks(*outer_hooks)
         self.learned[key[:2]] = values = recorder.values
         needed = why.args[0] if isinstance(why, _NeedsHostValues) else None
         if needed is not None and needed < len(values) and type(values[needed]) not in (bool, int):

@@ -21,7 +21,7 @@ from .callsite import user_call_site, warn_at_user_site
 from .config import settings
 from .dtypes import TORCH_TO_JAX
 from .errors import CPUFallbackWarning, DeviceError, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
-from .registry import TORCH_GRADIENT, Mapping, mapping_of
+from .registry import OP_TRAITS, Mapping, mapping_of, meta_of, takes_torch_gradient
 from . import deferred, torch_gradients
 from .tensor import (
     BridgeTensor,
@@ -47,36 +47,6 @@ _plans = {}  # OpOverload -> callable(args, kwargs)
 _checked = {}  # signature -> None (agrees with torch) or tuple of torch dtypes to cast to
 _UNCHECKED = object()
 
-# Ops whose result depends on data, so torch's meta kernels cannot describe it.
-_DATA_DEPENDENT = {
-    aten._local_scalar_dense.default,
-    aten.nonzero.default,
-    aten.masked_select.default,
-    aten.unique_dim.default,
-    aten._unique2.default,
-    aten.unique_consecutive.default,
-    aten.equal.default,
-    aten.is_nonzero.default,
-    aten.allclose.default,
-    aten.where.default,
-    aten.repeat_interleave.Tensor,
-}
-
-# Ops whose meta kernel holds restrictions that torch's kernels do not: the meta kernel of
-# _grouped_mm takes bfloat16 only, where the kernels take float32 and float16 too. Their
-# entries check their arguments themselves, with torch's messages.
-_META_STRICTER_THAN_KERNELS = {
-    aten._grouped_mm.default,
-}
-
-# Ops whose meta kernel gives another shape than torch's CPU and CUDA kernels; the kernels are
-# the oracle. For a vector input with reduction='none', multilabel_margin_loss_forward's kernels
-# return a 0-dim loss and its meta kernel shape (1,). The meta kernel still checks the arguments.
-_META_SHAPE_DIFFERS_FROM_KERNELS = {
-    aten.multilabel_margin_loss_forward.default,
-}
-
-
 # id(op) -> (op, its stats.Tally): found by the op's id, an int, where the op's own hash is Python
 # code (two dict updates keyed by the op cost about 3 us an op on a 2-core CPU).
 _tallies = {}
@@ -99,7 +69,7 @@ def dispatch(func, args, kwargs):
             if not torch._C.is_grad_enabled():
                 out = plan(args, kwargs)
                 _cut_from_gradient(out, args, kwargs)
-            elif func in TORCH_GRADIENT and not settings.in_torch_gradient:
+            elif takes_torch_gradient(func) and not settings.in_torch_gradient:
                 out = torch_gradients.call(func, plan, args, kwargs)
             else:
                 out = plan(args, kwargs)
@@ -113,7 +83,7 @@ def dispatch(func, args, kwargs):
             tally.seconds += perf_counter() - start
 
 
-tensor_module._dispatch = dispatch
+tensor_module.install(dispatch)
 _LOCAL_SCALAR_DENSE = torch.ops.aten._local_scalar_dense.default
 
 
@@ -255,7 +225,7 @@ def _meta_result(func, args, kwargs):
 
     Returns None when torch has no meta kernel for it (then nothing is checked).
     """
-    if func in _DATA_DEPENDENT or func in _META_STRICTER_THAN_KERNELS:
+    if meta_of(func) in ("data-dependent", "stricter"):
         return None
     try:
         return func(*_to_meta(args), **{name: _to_meta(value) for name, value in kwargs.items()})
@@ -316,7 +286,7 @@ def _compare(func, expected, actual):
         if not isinstance(want, torch.Tensor) or not isinstance(got, jax.Array):
             corrections.append(None)
             continue
-        if tuple(want.shape) != tuple(got.shape) and func not in _META_SHAPE_DIFFERS_FROM_KERNELS:
+        if tuple(want.shape) != tuple(got.shape) and meta_of(func) != "shape-differs":
             raise MappingMismatchError(
                 f"bridge mapping for {func} returned shape {tuple(got.shape)} where torch gives "
                 f"{tuple(want.shape)} (called at {user_call_site()}); this is a bug in the bridge's "
@@ -883,23 +853,9 @@ def _remember_direct(direct, direct_key, args, program, index):
     direct[direct_key] = (program, index)
 
 
-# Views that, at equal shapes, are the whole base in order: they add no step to a view chain.
-_IDENTITY_VIEWS = {
-    aten.detach.default,
-    aten.alias.default,
-    aten.lift_fresh.default,
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.expand.default,
-    aten.squeeze.dim,
-    aten.squeeze.dims,
-    aten.squeeze.default,
-}
-
-
 def _view_plan(func, mapping):
     compute = _mapped_plan(func, mapping)
-    identity = func in _IDENTITY_VIEWS
+    identity = mapping.identity_view  # the whole base at equal shapes: no step in a view chain
 
     def run(args, kwargs):
         out = compute(args, kwargs)
@@ -1163,12 +1119,6 @@ def _to_cpu(value):
     return value
 
 
-# Outputs that torch always keeps on the host, whatever the device of the inputs.
-_HOST_OUTPUTS = {
-    aten._pack_padded_sequence.default: (1,),  # batch_sizes
-}
-
-
 def _fallback_plan(func):
     written = _written_arguments(func._schema)
     warned = []
@@ -1196,7 +1146,8 @@ def _fallback_plan(func):
         result = func(*cpu_args, **cpu_kwargs)
         for position, name in written:
             _copy_back(_argument(args, kwargs, position, name), _argument(cpu_args, cpu_kwargs, position, name), index)
-        host_outputs = _HOST_OUTPUTS.get(func, ())
+        traits = OP_TRAITS.get(func)
+        host_outputs = traits.host_outputs if traits is not None else ()  # torch keeps them on the host
         if host_outputs and isinstance(result, tuple):
             return tuple(
                 item if position in host_outputs else _from_cpu(item, args, kwargs, cpu_args, cpu_kwargs, index)

@@ -29,6 +29,17 @@ class UnsupportedVersionError(ActivationError):
     """The installed torch or JAX is outside the releases the bridge supports."""
 
 
+class GraphBreak(BridgeError):
+    """A region could not be captured; `reason` says why, `site` where in the user's code. Raised
+    to the script only under `fullgraph=True`; otherwise the region runs op by op and the report
+    lists the break."""
+
+    def __init__(self, reason, site=None):
+        super().__init__(reason if site is None else f"{reason} (at {site})")
+        self.reason = reason
+        self.site = site
+
+
 class BridgeWarning(UserWarning):
     """Base class of the bridge's warnings."""
 
@@ -43,6 +54,6 @@ class MappingDtypeWarning(BridgeWarning):
 
 # Users meet these as bridge.<Name> (tracebacks print the module).
 for _error in (BridgeError, UnsupportedOpError, MappingMismatchError, DeviceError, ActivationError,
-               UnsupportedVersionError,
+               UnsupportedVersionError, GraphBreak,
                BridgeWarning, CPUFallbackWarning, MappingDtypeWarning):
     _error.__module__ = "bridge"

@@ -10,6 +10,7 @@ import torch
 
 from . import devices
 from .config import settings
+from .errors import GraphBreak
 
 _state = {"key": None, "seed": 0}
 
@@ -41,6 +42,14 @@ def current_key():
     if _state["key"] is None:
         _state["key"] = _seeded_key()
     return _state["key"]
+
+
+def swap_key(key):
+    """Make `key` the generator's key and return the one it replaces (None if unseeded yet): a
+    captured program's trace draws from its traced key, and a run leaves the key it returns."""
+    previous = _state["key"]
+    _state["key"] = key
+    return previous
 
 
 def next_key():
@@ -86,6 +95,4 @@ def refuse_host_draw_in_trace(what):
     """Inside a region being captured, a draw from a torch.Generator (on the host, once) would
     enter the program as a constant and repeat on every replay: the region runs eagerly instead."""
     if settings.tracing:
-        from .capture import GraphBreak
-
         raise GraphBreak(f"{what} draws from a torch.Generator passed to it (its state lives on the host)")

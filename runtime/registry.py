@@ -7,8 +7,10 @@ on it once, with `register_mapping`; promotion and result casting live here so
 that entry bodies are only the computation.
 """
 
+from __future__ import annotations
+
 import dataclasses
-from typing import Callable, Optional
+from typing import Any, Callable, Literal, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -19,20 +21,65 @@ from . import dtypes
 from .config import settings
 
 
+# What torch's meta kernel of an op cannot be trusted for (the runtime checks each mapping's
+# result against the meta kernel the first time a signature is seen):
+#   "data-dependent": the result's shape or value depends on the data; no meta result is made.
+#   "stricter": the meta kernel refuses calls the kernels take (_grouped_mm's takes bfloat16
+#       only); the entry checks its arguments itself, with torch's messages.
+#   "shape-differs": the meta kernel gives another shape than the CPU and CUDA kernels, which
+#       are the oracle; the meta kernel still checks the arguments.
+Meta = Optional[Literal["data-dependent", "stricter", "shape-differs"]]
+
+
+class Vjp(NamedTuple):
+    """A derivative given as torch's formula (see `_differentiate_as_torch`): `save(args, kwargs,
+    out)` returns the arrays torch's formula saves, `backward(saved, cotangent, args, kwargs)`
+    the gradient of each array argument in order (None: zeros)."""
+
+    save: Callable[..., tuple]
+    backward: Callable[..., tuple]
+
+
 @dataclasses.dataclass(frozen=True)
 class Mapping:
+    """An op's whole record: its JAX entry and every fact the runtime needs about it."""
+
     op: OpOverload
     body: Callable  # the entry as written in op_mappings
-    call: Callable  # body wrapped with type promotion; what dispatch runs
+    call: Callable  # body wrapped with type promotion (and a custom vjp); what dispatch runs
     promote: Optional[str]
     rng: bool
     family: str
     # Names of arguments the op writes besides its outputs (running stats of batch norm):
     # the body returns (outputs, {name: new value}) and the runtime writes them back.
-    mutates: tuple = ()
+    mutates: tuple[str, ...] = ()
+    meta: Meta = None
+    # A view that, at equal shapes, is the whole base in order: it adds no step to a view chain.
+    identity_view: bool = False
+    # Settings the body reads besides its arguments ("precision": torch's float32 matmul and
+    # cuDNN TF32 settings): compiled programs of the op are keyed on them.
+    reads: tuple[str, ...] = ()
+    # "torch": inside differentiated captured regions the op takes torch's derivative formula
+    # (runtime/torch_gradients.py), where JAX's differs (at 0, at bounds, special arguments);
+    # a Vjp: the body's derivative is that formula, traced into the region.
+    gradient: Any = None
 
 
-MAPPINGS: dict = {}
+@dataclasses.dataclass(frozen=True)
+class Traits:
+    """Facts about an op that has no mapping (it decomposes, or falls back to the CPU)."""
+
+    meta: Meta = None
+    # Output positions that torch keeps on the host whatever the inputs' device.
+    host_outputs: tuple[int, ...] = ()
+    # "torch": its decomposition is differentiated by torch's formula for the op itself.
+    gradient: Optional[str] = None
+
+
+# Ops with no entry in the tables and something the runtime must know about them.
+OP_TRAITS: dict[OpOverload, Traits] = {}
+
+MAPPINGS: dict[OpOverload, Mapping] = {}
 
 
 def _operand_positions(op, names):
@@ -170,8 +217,20 @@ def _overloads(op):
     raise TypeError(f"register_mapping takes ATen operators (aten.add, aten.add.Tensor), not {op!r}")
 
 
-def register_mapping(*ops, promote=None, operands=None, rng=False, mutates=(), family=None):
-    """Declare a JAX function as the mapping of one or more ATen ops.
+def register_mapping(
+    *ops: Any,
+    promote: Optional[str] = None,
+    operands: Optional[tuple[str, ...]] = None,
+    rng: bool = False,
+    mutates: tuple[str, ...] = (),
+    family: Optional[str] = None,
+    meta: Meta = None,
+    identity_view: bool = False,
+    reads: tuple[str, ...] = (),
+    gradient: Any = None,
+) -> Callable[[Callable], Callable]:
+    """Declare a JAX function as the mapping of one or more ATen ops, with every fact the runtime
+    needs about them: the one place an op's story is told.
 
     ops: `OpOverload`s, or `OpOverloadPacket`s meaning every overload they have
         except `out=` and in-place ones, which the runtime derives from the
@@ -185,15 +244,24 @@ def register_mapping(*ops, promote=None, operands=None, rng=False, mutates=(), f
     mutates: for ops that write some arguments in place besides `self`/`out=`
         (batch norm's running stats): the body returns `(result, {name: value})`
         and the runtime writes each value into that argument.
+    meta: what torch's meta kernel cannot be trusted for (see `Meta`).
+    identity_view: a view that is its whole base at equal shapes (view, expand, squeeze).
+    reads: settings the body reads besides its arguments: ("precision",) for bodies that
+        call `precision.matmul_precision()` or `precision.conv_precision()`.
+    gradient: "torch" (torch's derivative formula inside captured regions) or a `Vjp`.
     """
+    if gradient is not None and gradient != "torch" and not isinstance(gradient, Vjp):
+        raise TypeError(f"gradient= takes 'torch' or a Vjp, not {gradient!r}")
 
-    def decorate(body):
+    def decorate(body: Callable) -> Callable:
         for packet_or_op in ops:
             is_packet = isinstance(packet_or_op, (OpOverloadPacket, TolerantPacket))
             for op in _overloads(packet_or_op):
                 if is_packet and _is_derived_variant(op) and not mutates:
                     continue
                 call = body if promote is None else _promoting(body, op, promote, operands)
+                if isinstance(gradient, Vjp):
+                    call = _differentiate_as_torch(call, gradient)
                 MAPPINGS[op] = Mapping(
                     op=op,
                     body=body,
@@ -202,10 +270,35 @@ def register_mapping(*ops, promote=None, operands=None, rng=False, mutates=(), f
                     rng=rng,
                     family=family or body.__module__.rsplit(".", 1)[-1],
                     mutates=tuple(mutates),
+                    meta=meta,
+                    identity_view=identity_view,
+                    reads=tuple(reads),
+                    gradient=gradient,
                 )
         return body
 
     return decorate
+
+
+def register_traits(
+    *ops: Any, meta: Meta = None, host_outputs: tuple[int, ...] = (), gradient: Optional[str] = None
+) -> None:
+    """Declare facts about ops that have no mapping (OP_TRAITS); packets mean their functional
+    overloads."""
+    for packet_or_op in ops:
+        is_packet = isinstance(packet_or_op, (OpOverloadPacket, TolerantPacket))
+        for op in _overloads(packet_or_op):
+            if not (is_packet and _is_derived_variant(op)):
+                OP_TRAITS[op] = Traits(meta=meta, host_outputs=tuple(host_outputs), gradient=gradient)
+
+
+def meta_of(op: OpOverload) -> Meta:
+    """What torch's meta kernel cannot be trusted for in `op` (see `Meta`), mapped or not."""
+    mapping = MAPPINGS.get(op)
+    if mapping is not None:
+        return mapping.meta
+    traits = OP_TRAITS.get(op)
+    return None if traits is None else traits.meta
 
 
 # Entries for operators of other libraries (`transformers::grouped_mm_fallback`), by qualified
@@ -214,7 +307,7 @@ def register_mapping(*ops, promote=None, operands=None, rng=False, mutates=(), f
 NAMED_MAPPINGS: dict = {}
 
 
-def register_named_mapping(name, family=None):
+def register_named_mapping(name: str, family: Optional[str] = None) -> Callable[[Callable], Callable]:
     """Declare a JAX function as the mapping of another library's operator, by its qualified name
     ('namespace::name'); every overload it has takes it."""
 
@@ -225,7 +318,7 @@ def register_named_mapping(name, family=None):
     return decorate
 
 
-def mapping_of(op):
+def mapping_of(op: OpOverload) -> Optional[Mapping]:
     """The table entry of an OpOverload: its own, or the one declared for its qualified name."""
     mapping = MAPPINGS.get(op)
     if mapping is None and op.name() in NAMED_MAPPINGS:
@@ -234,22 +327,37 @@ def mapping_of(op):
     return mapping
 
 
-TORCH_GRADIENT = set()  # OpOverloads whose captured derivative is torch's formula
+def takes_torch_gradient(op: OpOverload) -> bool:
+    """Whether `op` takes torch's derivative formula inside differentiated captured regions."""
+    mapping = MAPPINGS.get(op)
+    if mapping is not None:
+        return mapping.gradient == "torch"
+    traits = OP_TRAITS.get(op)
+    return traits is not None and traits.gradient == "torch"
 
 
-def use_torch_gradient(*ops):
-    """Declare ops whose JAX derivative differs from torch's (at 0, at bounds, at special
-    arguments): inside differentiated captured regions they take torch's own formula
-    (runtime/torch_gradients.py). Packets mean their functional overloads."""
+def use_torch_gradient(*ops: Any) -> None:
+    """(Being replaced by `register_mapping(..., gradient="torch")`.)"""
     for packet_or_op in ops:
         is_packet = isinstance(packet_or_op, (OpOverloadPacket, TolerantPacket))
         for op in _overloads(packet_or_op):
-            if not (is_packet and _is_derived_variant(op)):
-                TORCH_GRADIENT.add(op)
+            if is_packet and _is_derived_variant(op):
+                continue
+            if op in MAPPINGS:
+                MAPPINGS[op] = dataclasses.replace(MAPPINGS[op], gradient="torch")
+            else:
+                OP_TRAITS[op] = dataclasses.replace(OP_TRAITS.get(op, Traits()), gradient="torch")
 
 
-def differentiate_as_torch(op, save, backward):
-    """Inside captured regions, have JAX differentiate `op`'s mapping as torch's autograd does.
+def differentiate_as_torch(op: OpOverload, save: Callable, backward: Callable) -> None:
+    """(Being replaced by `register_mapping(..., gradient=Vjp(save, backward))`.)"""
+    mapping = MAPPINGS[op]
+    vjp = Vjp(save, backward)
+    MAPPINGS[op] = dataclasses.replace(mapping, call=_differentiate_as_torch(mapping.call, vjp), gradient=vjp)
+
+
+def _differentiate_as_torch(inner: Callable, vjp: Vjp) -> Callable:
+    """Inside captured regions, have JAX differentiate a mapping as torch's autograd does.
 
     JAX differentiating a mapping's body keeps whatever intermediate values the body's
     primitives need (a tanh GELU keeps four tensors the size of its input) and rounds the
@@ -260,8 +368,7 @@ def differentiate_as_torch(op, save, backward):
     backward sees the op's arguments, its arrays replaced by their `jax.ShapeDtypeStruct`s.
     Outside captured regions nothing changes: torch's autograd calls the backward op itself.
     """
-    mapping = MAPPINGS[op]
-    inner = mapping.call
+    save, backward = vjp
 
     def call(*args, **kwargs):
         if not settings.tracing:
@@ -300,7 +407,7 @@ def differentiate_as_torch(op, save, backward):
         function.defvjp(forward, pull)
         return function(*(leaves[position] for position in positions))
 
-    MAPPINGS[op] = dataclasses.replace(mapping, call=call)
+    return call
 
 
 def _cotangent(grad, shape, dtype):
@@ -314,15 +421,15 @@ def _is_derived_variant(op):
     return any(argument.alias_info is not None and argument.alias_info.is_write for argument in schema.arguments)
 
 
-def lookup(op):
+def lookup(op: OpOverload) -> Optional[Mapping]:
     return MAPPINGS.get(op)
 
 
-def jnp_dtype(torch_dtype, default=None):
+def jnp_dtype(torch_dtype: Optional[torch.dtype], default: Any = None) -> Any:
     """Helper for entries with a `dtype=` argument."""
     if torch_dtype is None:
         return default
     return dtypes.TORCH_TO_JAX[torch_dtype]
 
 
-__all__ = ["Mapping", "MAPPINGS", "register_mapping", "lookup", "jnp_dtype"]
+__all__ = ["Mapping", "MAPPINGS", "Traits", "OP_TRAITS", "Vjp", "register_mapping", "register_traits", "lookup", "jnp_dtype"]

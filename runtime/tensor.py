@@ -11,6 +11,7 @@ writes through a view are scattered into the root, and views of a root that
 changed are recomputed when next read (see `read_value` / `write_value`).
 """
 
+import contextlib
 import sys
 
 import jax
@@ -365,7 +366,14 @@ for _name, _overload, _reflected in (
     setattr(BridgeTensor, _name, _binary_operator(_name, _overload, _reflected))
 
 
-_dispatch = None  # set by runtime.dispatch
+_dispatch = None  # runtime.dispatch's entry point (install)
+
+
+def install(dispatch):
+    """Route every ATen call on a bridge tensor to `dispatch(func, args, kwargs)`: runtime.dispatch
+    installs itself when imported (it imports this module, so this module cannot import it)."""
+    global _dispatch
+    _dispatch = dispatch
 
 
 def _parse_to(args, kwargs):
@@ -377,11 +385,20 @@ def _parse_to(args, kwargs):
     return device, dtype, non_blocking, copy, memory_format
 
 
-# Set by runtime/capture.py: called with every tensor read or written while a region is traced.
+# Set by runtime/capture.py through set_hooks. trace_hook: called with every tensor read or
+# written while a region is traced. host_value_hook: while a region is traced or its host values
+# recorded, runs each `_local_scalar_dense` (`.item()`, `bool(t)`, `int(t)`) as
+# host_value_hook(plan, args, kwargs).
 trace_hook = None
-# Set by runtime/capture.py while a region is traced or its host values recorded: runs each
-# `_local_scalar_dense` (`.item()`, `bool(t)`, `int(t)`) as host_value_hook(plan, args, kwargs).
 host_value_hook = None
+
+
+def set_hooks(trace, host_value):
+    """Set both capture hooks (None: off); returns the pair they replace, to restore."""
+    global trace_hook, host_value_hook
+    previous = (trace_hook, host_value_hook)
+    trace_hook, host_value_hook = trace, host_value
+    return previous
 
 
 # Counts the changes of a bridge tensor's sizes, dtype or device in place (the Python object
@@ -612,6 +629,18 @@ def to_numpy(tensor):
 # While torch.save runs under the bridge (bridge/patches/serialization.py): the device ordinals
 # of the bridge tensors pickled so far, one entry per tensor (each writes a storage of its own).
 pickled_devices = None
+
+
+@contextlib.contextmanager
+def counting_pickled_devices():
+    """Within the block, collect the device ordinal of each bridge tensor pickled (the list it
+    yields); nested blocks each see their own."""
+    global pickled_devices
+    outer, pickled_devices = pickled_devices, []
+    try:
+        yield pickled_devices
+    finally:
+        pickled_devices = outer
 
 
 def _to_cpu_tensor(tensor):

@@ -84,7 +84,7 @@ def traced_apply(cls, args, kwargs):
             call[position] = BridgeTensor(array, tensor._index)
         call_args, call_kwargs = pytree.tree_unflatten(call, spec)
         # (JAX traces the forward more than once: learned host values would not line up.)
-        outer, tensor_module.host_value_hook = tensor_module.host_value_hook, _no_host_values(cls)
+        outer = tensor_module.set_hooks(tensor_module.trace_hook, _no_host_values(cls))
         try:
             with torch.no_grad():  # as torch runs a Function's forward
                 if cls.setup_context is _SETUP_CONTEXT:
@@ -93,7 +93,7 @@ def traced_apply(cls, args, kwargs):
                     out = cls.forward(*call_args, **call_kwargs)
                     cls.setup_context(ctx, call_args, out)
         finally:
-            tensor_module.host_value_hook = outer
+            tensor_module.set_hooks(*outer)
         if getattr(ctx, "dirty_tensors", None):
             raise _break(cls, "writes its inputs in place (mark_dirty)")
         out_leaves, out_spec = pytree.tree_flatten(out)
@@ -138,12 +138,12 @@ def traced_apply(cls, args, kwargs):
                 grads_in.append(BridgeTensor(jnp.zeros(shape, dtype), index) if ctx.materialize_grads else None)
             else:
                 grads_in.append(BridgeTensor(cotangent, index))
-        outer, tensor_module.host_value_hook = tensor_module.host_value_hook, _no_host_values(cls)
+        outer = tensor_module.set_hooks(tensor_module.trace_hook, _no_host_values(cls))
         try:
             with torch.no_grad():  # as torch runs a backward (no create_graph)
                 grads = cls.backward(ctx, *grads_in)
         finally:
-            tensor_module.host_value_hook = outer
+            tensor_module.set_hooks(*outer)
         grads = grads if isinstance(grads, tuple) else (grads,)
         if len(grads) < len(args):
             raise _break(cls, f"returned {len(grads)} gradient(s) from backward for {len(args)} input(s)")

@@ -52,13 +52,9 @@ class _CountingWriter(wrapt.ObjectProxy):
 @wrap(torch.serialization, "_save")
 def save(wrapped, instance, args, kwargs):
     obj, zip_file, *rest = args
-    outer, tensor_module.pickled_devices = tensor_module.pickled_devices, []
     counting = _CountingWriter(zip_file)
-    try:
+    with tensor_module.counting_pickled_devices() as pickled:
         result = wrapped(obj, counting, *rest, **kwargs)
-        pickled = tensor_module.pickled_devices
-    finally:
-        tensor_module.pickled_devices = outer
     if pickled and len(pickled) == counting._self_storages and len(set(pickled)) == 1:
         record = str(pickled[0]).encode()
         zip_file.write_record(DEVICE_RECORD, record, len(record))
