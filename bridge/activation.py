@@ -23,11 +23,11 @@ SURFACES = (
 
 _PLATFORMS = {"auto": None, "cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
 
-_state = {"active": False, "patches": []}
+_state: dict = {"active": False, "patches": []}
 
 
 def is_active() -> bool:
-    return _state["active"]
+    return bool(_state["active"])
 
 
 MODES = ("captured", "eager")

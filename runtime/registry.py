@@ -138,7 +138,7 @@ def _cast(value, dtype):
     return value
 
 
-MISSING_OPS = set()  # every operator name the tables asked for and the installed torch lacks
+MISSING_OPS: set[str] = set()  # every operator name the tables asked for and the installed torch lacks
 
 
 class MissingOp:

@@ -4,15 +4,19 @@ To torch's C++ core (autograd engine, dispatcher) a bridge tensor is a CPU
 tensor with Python dispatch; to the script it reports the device it asked
 for ('cuda:N'), because a wrapper that reported 'cuda' to C++ would break the
 autograd engine on CPU-only torch builds and mix with real CUDA tensors on
-CUDA builds (ARCHITECTURE.md, "Facts measured while planning").
+CUDA builds (docs/design.md).
 
 Aliasing: a view keeps its root tensor and the chain of view ops that made it;
 writes through a view are scattered into the root, and views of a root that
 changed are recomputed when next read (see `read_value` / `write_value`).
 """
 
+from __future__ import annotations
+
 import contextlib
 import sys
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -43,8 +47,8 @@ class BridgeTensor(torch.Tensor):
     #   that generation of its root (None for a root itself); see host_array
 
     # What a new tensor owning its data starts with (instances set their own when they change).
-    _pending = None
-    _host = None
+    _pending: Any = None
+    _host: Any = None
     _root = None
     _chain = ()
     _seen = 0
@@ -244,7 +248,7 @@ _ALIGNMENT = 64
 _next_address = [1 << 40]
 
 
-def storage_address(root):
+def storage_address(root: BridgeTensor) -> int:
     address = root.__dict__.get("_storage_address")
     if address is None:
         address = _next_address[0]
@@ -369,7 +373,7 @@ for _name, _overload, _reflected in (
 _dispatch = None  # runtime.dispatch's entry point (install)
 
 
-def install(dispatch):
+def install(dispatch: Callable[[Any, tuple, dict], Any]) -> None:
     """Route every ATen call on a bridge tensor to `dispatch(func, args, kwargs)`: runtime.dispatch
     installs itself when imported (it imports this module, so this module cannot import it)."""
     global _dispatch
@@ -393,7 +397,7 @@ trace_hook = None
 host_value_hook = None
 
 
-def set_hooks(trace, host_value):
+def set_hooks(trace: Optional[Callable], host_value: Optional[Callable]) -> tuple[Optional[Callable], Optional[Callable]]:
     """Set both capture hooks (None: off); returns the pair they replace, to restore."""
     global trace_hook, host_value_hook
     previous = (trace_hook, host_value_hook)
@@ -413,14 +417,14 @@ def _layout_changed():
     layout_changes += 1
 
 
-def set_wrapper_layout(target, source):
+def set_wrapper_layout(target: BridgeTensor, source: torch.Tensor) -> None:
     """Give the wrapper `target` the sizes and dtype of the tensor `source` (its value is the
     caller's to set)."""
     _layout_changed()
     torch._C.TensorBase.data.__set__(target, source)
 
 
-def held_only_by_their_tensors(tensors, values):
+def held_only_by_their_tensors(tensors: Sequence[BridgeTensor], values: list[jax.Array]) -> bool:
     """Whether each array in `values` (read_value of each of `tensors`) has no holder but its
     tensor and, for an alias of a whole root (a parameter after Module.to), that root: no other
     tensor shares it (`.data =` hands a tensor another's array), no other view caches it, no
@@ -439,7 +443,7 @@ def held_only_by_their_tensors(tensors, values):
     return True
 
 
-def settle(tensor):
+def settle(tensor: BridgeTensor) -> None:
     """Run the deferred work that gives a tensor's root its value, before its value is replaced
     outside write_value (the deferred work would overwrite the replacement)."""
     root = root_of(tensor)
@@ -447,12 +451,12 @@ def settle(tensor):
         root._pending.resolve(root)
 
 
-def root_of(tensor):
+def root_of(tensor: BridgeTensor) -> BridgeTensor:
     """The tensor owning a bridge tensor's data: itself, or the root it is a view of."""
     return tensor if tensor._root is None else tensor._root
 
 
-def read_value(tensor):
+def read_value(tensor: BridgeTensor) -> jax.Array:
     """The current jax.Array of a bridge tensor, recomputing a view whose root changed."""
     if trace_hook is not None:
         trace_hook(tensor)
@@ -483,7 +487,7 @@ def read_value(tensor):
     return value
 
 
-def read_values(tensors):
+def read_values(tensors: Sequence[BridgeTensor]) -> list[jax.Array]:
     """read_value of each tensor, the common cases (a root with no work pending, a view or alias
     already up to date) inline: an optimizer step reads hundreds."""
     if trace_hook is not None:
@@ -514,7 +518,7 @@ def _written_backward(_, gradient):
 _written_without_grad.defvjp(_written_forward, _written_backward)
 
 
-def write_value(tensor, value):
+def write_value(tensor: BridgeTensor, value: jax.Array) -> None:
     """Replace a tensor's contents (an in-place op's result), through views into the root."""
     if trace_hook is not None:
         trace_hook(tensor)
@@ -540,7 +544,7 @@ def write_value(tensor, value):
     tensor._seen = root._generation
 
 
-def write_values(tensors, values):
+def write_values(tensors: Sequence[BridgeTensor], values: Sequence[jax.Array]) -> None:
     """write_value of each tensor, the common cases (a root, or an alias of a whole root, with no
     work pending and no trace recording) inline: an optimizer step writes hundreds."""
     if trace_hook is not None or settings.tracing:
@@ -590,7 +594,7 @@ def _c_order(array):
     return array if array.flags.c_contiguous else array.copy(order="C")
 
 
-def on_host(array, index, cell=None):
+def on_host(array: np.ndarray, index: int, cell: Optional[list] = None) -> BridgeTensor:
     """A bridge tensor whose value, `array` (numpy, which no one writes into), stays on the host
     until the device reads it (OnHost); its host copy stays valid until it is written."""
     tensor = BridgeTensor(array, index)
@@ -599,7 +603,7 @@ def on_host(array, index, cell=None):
     return tensor
 
 
-def host_array(tensor):
+def host_array(tensor: BridgeTensor) -> Optional[np.ndarray]:
     """The tensor's current value as a numpy array on the host, where one is known (made or read
     there since its root was last written), else None. Such arrays are never written into."""
     host = tensor._host
@@ -611,13 +615,13 @@ def host_array(tensor):
     return host[0]
 
 
-def keep_host(tensor, array):
+def keep_host(tensor: BridgeTensor, array: np.ndarray) -> None:
     """Record `array` as the tensor's current value on the host (see host_array)."""
     root = tensor._root
     tensor._host = (array, root, (tensor if root is None else root)._generation)
 
 
-def to_numpy(tensor):
+def to_numpy(tensor: BridgeTensor) -> np.ndarray:
     """A bridge tensor's current value as a numpy array, without a trip through the device for a
     value on the host (a read-only view where it is the device's)."""
     array = host_array(tensor)
@@ -628,11 +632,11 @@ def to_numpy(tensor):
 
 # While torch.save runs under the bridge (bridge/patches/serialization.py): the device ordinals
 # of the bridge tensors pickled so far, one entry per tensor (each writes a storage of its own).
-pickled_devices = None
+pickled_devices: Optional[list[int]] = None
 
 
 @contextlib.contextmanager
-def counting_pickled_devices():
+def counting_pickled_devices() -> Iterator[list[int]]:
     """Within the block, collect the device ordinal of each bridge tensor pickled (the list it
     yields); nested blocks each see their own."""
     global pickled_devices
@@ -647,7 +651,7 @@ def _to_cpu_tensor(tensor):
     return numpy_to_torch(np.array(to_numpy(tensor)))  # a copy: the caller may write it
 
 
-def numpy_to_torch(array):
+def numpy_to_torch(array: np.ndarray) -> torch.Tensor:
     if array.dtype == jnp.bfloat16:
         return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
     if array.dtype.name.startswith("float8"):
@@ -655,7 +659,7 @@ def numpy_to_torch(array):
     return torch.from_numpy(array)
 
 
-def torch_to_numpy(tensor):
+def torch_to_numpy(tensor: torch.Tensor) -> np.ndarray:
     tensor = tensor.detach()
     if tensor.dtype is torch.bfloat16:
         return tensor.view(torch.int16).numpy().view(jnp.bfloat16)
@@ -664,7 +668,7 @@ def torch_to_numpy(tensor):
     return tensor.resolve_conj().resolve_neg().numpy()
 
 
-def to_bridge(tensor, index=None):
+def to_bridge(tensor: torch.Tensor, index: Optional[int] = None) -> BridgeTensor:
     """A bridge tensor with the contents of a plain torch tensor (no autograd link)."""
     if index is None:
         index = devices.current_index()
@@ -676,7 +680,7 @@ def to_bridge(tensor, index=None):
     return BridgeTensor(devices.put(array, index), index)
 
 
-def to_torch(tensor):
+def to_torch(tensor: BridgeTensor) -> torch.Tensor:
     """A plain CPU torch tensor with the contents of a bridge tensor (no autograd link)."""
     return _to_cpu_tensor(tensor)
 
@@ -721,12 +725,12 @@ HOST_DTYPES = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch
 HOST_ELEMENTS = 1 << 16
 
 
-def stays_on_host(tensor):
+def stays_on_host(tensor: torch.Tensor) -> bool:
     """Whether a plain host tensor moved to the device keeps its value on the host (above)."""
     return tensor.dtype in HOST_DTYPES and tensor.numel() <= HOST_ELEMENTS and not tensor.requires_grad
 
 
-def to_bridge_autograd(tensor, index):
+def to_bridge_autograd(tensor: torch.Tensor, index: int) -> BridgeTensor:
     """`tensor.to('cuda:N')` for a plain tensor: differentiable when it needs to be."""
     if tensor.requires_grad and torch.is_grad_enabled():
         return _ToBridge.apply(tensor, index)
@@ -735,7 +739,7 @@ def to_bridge_autograd(tensor, index):
     return to_bridge(tensor, index)
 
 
-def to_cpu_autograd(tensor):
+def to_cpu_autograd(tensor: BridgeTensor) -> torch.Tensor:
     """`tensor.cpu()` for a bridge tensor: differentiable when it needs to be."""
     if tensor.requires_grad and torch.is_grad_enabled():
         return _ToCPU.apply(tensor)
