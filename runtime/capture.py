@@ -412,15 +412,9 @@ class Program:
     backward: object = None  # jitted: the pullback (split runs)
     primal: object = None  # jitted: the differentiable body's outputs only
     infer: object = None  # jitted, no autograd
-    out_spec: object = None
-    out_statics: list = None
-    out_tensor_positions: list = None
-    out_float: list = None  # per tensor output: differentiable (floating) or not
-    out_shapes: list = None
-    mutated_roots: list = None
-    mutated_inputs: list = None
     index: int = 0
-    body: object = None  # the traced Python body
+    body: object = None  # the traced Python body (_TracedBody)
+    traced: "Traced" = None  # what the first trace of the body learned, set by Region._compile
     differentiable: object = None  # the body as a function of the differentiated values
     fused: object = None  # jitted: forward and the gradients of one scalar output
     recompute: object = None  # jitted: the vjp from the primals (after a fused forward)
@@ -428,9 +422,36 @@ class Program:
     reach: list = None  # per float output, the positions among the differentiated values it depends on
     backward_ahead: bool = False  # compile the backward before the first split forward runs
     learned: list = None  # the values the region's code needed on the host, as its eager run gave them
-    expected: list = None  # those the trace took as learned (its guards'), in order
-    reshaped: dict = None  # per carried object the call changes: its state after the call (_Reshaped)
-    stored: list = None  # the tensors the forward stores on its modules (_Stored), outputs after the result's
+
+    # What the trace learned, read through the record (Traced).
+    out_spec = property(lambda self: self.traced.out_spec)
+    out_statics = property(lambda self: self.traced.out_statics)
+    out_tensor_positions = property(lambda self: self.traced.out_tensor_positions)
+    out_float = property(lambda self: self.traced.out_float)
+    out_shapes = property(lambda self: self.traced.out_shapes)
+    mutated_roots = property(lambda self: self.traced.mutated_roots)
+    mutated_inputs = property(lambda self: self.traced.mutated_inputs)
+    expected = property(lambda self: self.traced.expected)
+    reshaped = property(lambda self: self.traced.reshaped)
+    stored = property(lambda self: self.traced.stored)
+
+
+@dataclasses.dataclass(frozen=True)
+class Traced:
+    """What a trace of a region's body learned about its call: the output structure, which
+    state it writes, what it needed on the host. The trace returns it (_TracedBody.traced); the
+    program keeps the first."""
+
+    out_spec: object  # pytree spec of the region's result
+    out_statics: tuple  # the result's non-tensor leaves, tensors as None, carried objects as _CarriedOut
+    out_tensor_positions: tuple  # positions of tensor leaves in the result
+    out_float: tuple  # per tensor output: differentiable (floating) or not
+    out_shapes: tuple
+    mutated_roots: tuple  # positions of the state roots the body writes
+    mutated_inputs: tuple  # positions of the input tensors it writes
+    expected: tuple  # the host values the trace took as learned (its guards'), in order
+    reshaped: dict  # per carried object the call changes: its state after the call (_Reshaped)
+    stored: tuple  # the tensors the forward stores on its modules (_Stored), outputs after the result's
 
 
 def _traced(value):
@@ -488,7 +509,8 @@ def _put_back(current, saved):
 
 
 def _trace_body(function, program, watched=None):
-    """The pure function of a region: (state values, input values, key) -> results."""
+    """The pure function of a region: (state values, input values, key) -> results. Each trace
+    leaves what it learned as the function's `traced` (a Traced), for the caller to take."""
 
     def body(root_values, input_values, key):
         global _trace
@@ -543,18 +565,17 @@ def _trace_body(function, program, watched=None):
                     f"the forward stores tensors it computes in {names} (not a tensor: a list or another "
                     "object holding them): a compiled replay would not store them, so the module runs eagerly"
                 )
-            program.stored = kept
             if trace.free:
                 raise _FreeTensors([entry[0] for entry in trace.free.values()])
-            program.reshaped = {}
+            reshaped_objects = {}
             for number, (leaf, copied, given) in enumerate(copies):
                 reshaped = _check_carried(leaf, copied, given)
                 if reshaped is not None:
-                    program.reshaped[number] = reshaped
-            if program.reshaped or program.stored:
+                    reshaped_objects[number] = reshaped
+            if reshaped_objects or kept:
                 # The new tensors of the objects the call changed and those it stored on its
                 # modules: outputs after the result's.
-                result = (result, [reshaped.new for reshaped in program.reshaped.values()], [stored.value for stored in kept])
+                result = (result, [reshaped.new for reshaped in reshaped_objects.values()], [stored.value for stored in kept])
                 for stored in kept:
                     stored.value = None  # the trace's tensor: not kept past the trace
             out_leaves, out_spec = pytree.tree_flatten(result)
@@ -571,20 +592,23 @@ def _trace_body(function, program, watched=None):
                     raise GraphBreak("the region returns a tensor on the host CPU")
                 else:
                     out_statics.append(leaf)
-            program.out_spec = out_spec
-            program.out_statics = out_statics
-            program.out_tensor_positions = positions
-            program.out_float = [_is_float(tensor_module.JAX_TO_TORCH[array.dtype]) for array in arrays]
-            program.out_shapes = [tuple(array.shape) for array in arrays]
-            program.mutated_roots = [
-                position for position, (root, value) in enumerate(zip(roots, root_values)) if root._value is not value
-            ]
-            program.mutated_inputs = [
-                position for position, tensor in enumerate(inputs) if tensor._generation != 0
-            ]
-            mutated = [roots[position]._value for position in program.mutated_roots]
-            written = [read_value(inputs[position]) for position in program.mutated_inputs]
-            program.expected = trace.expected
+            traced = Traced(
+                out_spec=out_spec,
+                out_statics=tuple(out_statics),
+                out_tensor_positions=tuple(positions),
+                out_float=tuple(_is_float(tensor_module.JAX_TO_TORCH[array.dtype]) for array in arrays),
+                out_shapes=tuple(tuple(array.shape) for array in arrays),
+                mutated_roots=tuple(
+                    position for position, (root, value) in enumerate(zip(roots, root_values)) if root._value is not value
+                ),
+                mutated_inputs=tuple(position for position, tensor in enumerate(inputs) if tensor._generation != 0),
+                expected=tuple(trace.expected),
+                reshaped=reshaped_objects,
+                stored=tuple(kept),
+            )
+            mutated = [roots[position]._value for position in traced.mutated_roots]
+            written = [read_value(inputs[position]) for position in traced.mutated_inputs]
+            body.traced = traced
             return arrays, mutated, written, random.current_key(), trace.guards
         finally:
             torch.clear_autocast_cache()
@@ -594,6 +618,7 @@ def _trace_body(function, program, watched=None):
                 root._generation = max(root._generation, generation) + 1
             random.swap_key(saved_key)
 
+    body.traced = None
     return body
 
 
@@ -936,7 +961,7 @@ def _check_guards(program, guards):
     was traced with (one small copy to the host, which waits for the program)."""
     if not guards:
         return
-    found = [value.item() for value in jax.device_get(guards)]
+    found = tuple(value.item() for value in jax.device_get(guards))
     if found != program.expected:
         raise _GuardFailed(found)
 
@@ -1399,6 +1424,7 @@ class Region:
                 # operations (which XLA options suit them).
                 root_values, input_values = _gather(program, inputs)
                 jaxpr = jax.make_jaxpr(program.body)(root_values, input_values, random.current_key())
+                program.traced = program.body.traced
                 if program.reshaped and self.changes:
                     # Two calls in a row that change an argument object (a cache that grows each
                     # token): one program each would compile one per call.
