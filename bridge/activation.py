@@ -91,13 +91,11 @@ def activate(device: str = "auto", strict: bool = False, check_signatures: bool 
 def _configure_xla():
     """XLA options for torch-shaped programs, set before JAX starts its backends.
 
-    XLA's GPU backend records runs of a program's kernels as CUDA graphs (command buffers),
-    updated when the addresses of their buffers change. The bridge keeps them for fusions and
-    cuDNN calls only (`FUSION,CUDNN`): on an H100 this made ResNet-50's captured step 26.0 ms
-    with a steady spread (30-34 ms and stretches up to 80 ms launching kernels one by one,
-    which left the GPU waiting for the host), while cuBLAS calls in graphs made GPT-2 float32's
-    step 8 ms longer (186 against 178 ms; 177 ms with this set). BRIDGE_COMMAND_BUFFERS=0
-    turns them off, =1 keeps XLA's own set; an XLA_FLAGS that names the option is left as it is.
+    XLA's GPU backend records runs of a program's kernels as CUDA graphs (command buffers). The
+    bridge keeps them for fusions and cuDNN calls only (`FUSION,CUDNN`): without graphs the host
+    left ResNet-50's GPU waiting, and with cuBLAS calls in graphs GPT-2 float32's step was slower
+    (docs/design.md, "Measurements behind the choices"). BRIDGE_COMMAND_BUFFERS=0 turns them
+    off, =1 keeps XLA's own set; an XLA_FLAGS that names the option is left as it is.
     """
     flags = os.environ.get("XLA_FLAGS", "")
     choice = os.environ.get("BRIDGE_COMMAND_BUFFERS")

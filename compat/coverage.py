@@ -21,7 +21,7 @@ DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reports"
 FORMATS = ("md", "json", "html")
 REPORT_NAME = "coverage"
 
-# Status of an op or surface function (ARCHITECTURE.md, Reports).
+# Status of an op or surface function (docs/design.md, "The fallback ladder").
 MAPPED = "mapped"
 DERIVED = "mapped (derived)"
 DECOMPOSED = "decomposed"

@@ -1,6 +1,6 @@
 """Known failures of the parity sweeps, each listed next to its op with the reason it fails.
 
-A listed failure is still run and still shown in the coverage report (STYLE.md: listed, never
+A listed failure is still run and still shown in the coverage report (listed, never
 dropped); when it starts passing the sweep reports it as an unexpected pass, so the list is kept
 true. Only failures whose cause was looked at belong here.
 """

@@ -717,12 +717,10 @@ _last_collection = [0.0]  # seconds the last full collection took
 
 def _collect_after(compile_seconds):
     """A full garbage collection after a long compile. Tracing and compiling leave many objects
-    behind, long-lived (JAX's caches) or garbage in cycles; left to Python's collector, they set
-    off a full collection some steps later (250-300 ms in the middle of ResNet-50's 22nd step on
-    an H100), collected here that time falls in the compiling step. A collection of a heap with
-    torch, JAX and transformers loaded takes ~0.3 s, so it follows only compiles that took five
-    times the last one: after each of a first call's many short ones (programs loaded from the
-    compilation cache) it cost a 2-layer GPT-2's first `generate` 5 of its 10 seconds."""
+    behind; left to Python's collector, they set off a full collection some steps later, in the
+    middle of a training step, where here it falls in the compiling step. A full collection
+    costs about 0.3 s with torch, JAX and transformers loaded, so it follows only compiles that
+    took five times the last one (not each of a first call's many short cached ones)."""
     if compile_seconds < 5 * _last_collection[0]:
         return
     start = time.perf_counter()
@@ -732,10 +730,10 @@ def _collect_after(compile_seconds):
 
 def _compiler_options(jaxpr):
     """XLA options for a program. float32 matmuls at torch's default precision (full float32,
-    no autocast) run faster through cuBLAS than through XLA's Triton GEMM fusions, and
-    autotuning those fusions took GPT-2's first step from 19 s to 122 s on an H100. Programs
-    with convolutions keep Triton, which serves XLA's 1x1-convolution GEMMs best (ResNet-50:
-    45 ms a step without it, 40 ms with). Results: benchmarks/results."""
+    no autocast) run faster through cuBLAS than through XLA's Triton GEMM fusions, whose
+    autotuning also multiplied GPT-2's first-step compile time; programs with convolutions keep
+    Triton, which serves XLA's 1x1-convolution GEMMs best (measured on an H100: docs/design.md,
+    "Measurements behind the choices")."""
     from jax import lax
 
     from .config import matmul_precision

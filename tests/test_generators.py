@@ -83,7 +83,7 @@ def test_copies_and_pickles_keep_device_and_stream(bridged):
 
 
 def test_ops_on_bridge_tensors_follow_the_generator_not_the_global_stream(bridged):
-    """torch's bit streams are not reproduced on the device (ARCHITECTURE.md); the draws must
+    """torch's bit streams are not reproduced on the device (docs/design.md); the draws must
     repeat for a seed, differ between seeds, follow the distributions, and leave the global
     generator where it was."""
     generator = torch.Generator(device="cuda")

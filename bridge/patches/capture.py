@@ -1,4 +1,4 @@
-"""Captured mode's entry points into unmodified scripts (ARCHITECTURE.md, "Execution modes").
+"""Captured mode's entry points into unmodified scripts (docs/design.md, "Captured mode").
 
 - Module calls: the outermost `nn.Module` call on bridge tensors runs as a captured region
   (runtime/capture.py): its forward is one XLA program, its backward another. A module that

@@ -1,7 +1,7 @@
 """torch functions whose C++ composite kernels the bridge cannot see into.
 
-A bridge tensor reports the `cpu` device to torch's C++ (see ARCHITECTURE.md, "Facts
-measured while planning"). Most composite kernels only call other ATen ops on their inputs,
+A bridge tensor reports the `cpu` device to torch's C++ (see docs/design.md,
+"Measurements behind the choices"). Most composite kernels only call other ATen ops on their inputs,
 which reach the bridge's tables; a few build a result of their own from `input.options()`
 (`at::zeros(..., input.options())` for an empty matrix), and that result is a plain host
 tensor. The functions here put such results on the device of their bridge inputs,
