@@ -1,41 +1,12 @@
 """Elementwise and activation mappings against eager torch: values, dtypes and shapes, incl. promotion."""
 
-import jax
+import numpy as np
+import pytest
+import torch
 
-jax.config.update("jax_enable_x64", True)
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch.testing import make_tensor  # noqa: E402
-
-import bridge.op_mappings  # noqa: E402,F401  (registers the tables)
-from op_testing import assert_same, run_mapping, through_bridge  # noqa: E402
+from op_testing import assert_same, check, run_mapping, sample, seeded, through_bridge  # noqa: F401  (seeded: autouse)
 
 aten = torch.ops.aten
-
-
-# ---------------------------------------------------------------- harness
-
-
-
-def check(op, *args, tolerance=None, **kwargs):
-    expected = op(*args, **kwargs)
-    actual = run_mapping(op, *args, **kwargs)
-    try:
-        assert_same(actual, expected, **(tolerance or {}))
-    except AssertionError as error:
-        raise AssertionError(f"{op} on {args} {kwargs}:\n{error}\nbridge: {actual}\ntorch:  {expected}") from None
-
-
-@pytest.fixture(autouse=True)
-def seeded():
-    torch.manual_seed(0)
-
-
-def sample(shape, dtype, low=None, high=None, **options):
-    return make_tensor(shape, dtype=dtype, device="cpu", low=low, high=high, **options)
-
 
 FLOATS = [torch.float32, torch.float64, torch.bfloat16]
 

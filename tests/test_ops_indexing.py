@@ -6,31 +6,12 @@ import numpy as np
 import pytest
 import torch
 
-import bridge.op_mappings  # noqa: F401  (registers the tables)
 from bridge.runtime.registry import MAPPINGS
-from op_testing import run_mapping as run, to_jax, to_torch, through_bridge  # noqa: E402
+from op_testing import check, to_jax, to_torch, through_bridge
+from op_testing import run_mapping as run
+from op_testing import seeded_sample as sample
 
-jax.config.update("jax_enable_x64", True)
 aten = torch.ops.aten
-
-
-def check(op, *args, eager=False, **kwargs):
-    """Run the mapping of `op` on the JAX copies of the arguments and compare with torch."""
-    expected = op(*args, **kwargs)
-    actual = run(op, *args, eager=eager, **kwargs)
-    if isinstance(expected, tuple):
-        actual = tuple(actual)
-    torch.testing.assert_close(actual, expected, equal_nan=True)
-    return actual
-
-
-def sample(shape, dtype=torch.float32, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    if dtype is torch.bool:
-        return torch.rand(shape, generator=generator) > 0.5
-    if not dtype.is_floating_point:
-        return torch.randint(-50, 50, shape, generator=generator, dtype=dtype)
-    return torch.randn(shape, generator=generator, dtype=dtype)
 
 
 def positions(high, shape, seed=1):

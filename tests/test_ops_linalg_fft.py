@@ -2,38 +2,18 @@
 conventions torch exposes (1-based int32 pivots, int32 info, empty outputs), and gradients
 through the bridge (torch's autograd formulas running on the mapped ops)."""
 
-import jax
+import pytest
+import torch
 
-jax.config.update("jax_enable_x64", True)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch.testing import make_tensor  # noqa: E402
-
-import bridge.op_mappings  # noqa: E402,F401  (registers the tables)
-from bridge.runtime import versions  # noqa: E402
-from op_testing import assert_same, run_mapping, through_bridge  # noqa: E402
+import op_testing
+from bridge.runtime import versions
+from op_testing import assert_same, check, run_mapping, seeded, through_bridge  # noqa: F401  (seeded: autouse)
 
 aten = torch.ops.aten
 
 
-
-def check(op, *args, **kwargs):
-    expected = op(*args, **kwargs)
-    actual = run_mapping(op, *args, **kwargs)
-    try:
-        assert_same(actual, expected)
-    except AssertionError as error:
-        raise AssertionError(f"{op} with {kwargs}:\n{error}") from None
-
-
-@pytest.fixture(autouse=True)
-def seeded():
-    torch.manual_seed(0)
-
-
 def sample(shape, dtype=torch.float64):
-    return make_tensor(shape, dtype=dtype, device="cpu", low=-2, high=2)
+    return op_testing.sample(shape, dtype, low=-2, high=2)
 
 
 def symmetric_positive_definite(n, batch=(), dtype=torch.float64):

@@ -2,20 +2,17 @@
 against eager torch: each entry called directly, then whole modules' gradients through the bridge."""
 
 import copy
+import functools
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import bridge.op_mappings  # noqa: F401  (registers the tables)
+import op_testing
 from bridge.runtime.registry import MAPPINGS
-from bridge.runtime.tensor import numpy_to_torch, torch_to_numpy
+from op_testing import run_mapping, to_jax, to_torch
 
-jax.config.update("jax_enable_x64", True)
 aten = torch.ops.aten
 
 # bfloat16 keeps 8 bits of mantissa; entries accumulate in float32, so they are compared with
@@ -23,63 +20,8 @@ aten = torch.ops.aten
 # accumulation error in backward ops (sums over overlapping windows, batch axes) is larger.
 BF16 = dict(atol=3e-2, rtol=3e-2)
 
-
-def to_jax(value):
-    if isinstance(value, torch.Tensor):
-        return jnp.asarray(torch_to_numpy(value))
-    if isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
-        return [to_jax(item) for item in value]
-    return value
-
-
-def to_torch(value):
-    if isinstance(value, jax.Array):
-        return numpy_to_torch(np.array(value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(to_torch(item) for item in value)
-    return value
-
-
-def run_mapping(op, *args, **kwargs):
-    result = MAPPINGS[op].call(*[to_jax(a) for a in args], **{k: to_jax(v) for k, v in kwargs.items()})
-    if MAPPINGS[op].mutates:
-        result, _ = result
-    return to_torch(result)
-
-
-def as_float64(value):
-    if isinstance(value, torch.Tensor) and value.is_floating_point():
-        return value.double()
-    if isinstance(value, (list, tuple)):
-        return type(value)(as_float64(item) for item in value)
-    return value
-
-
-def check(op, *args, outputs=None, **kwargs):
-    """Compare the mapping of `op` with torch; bfloat16 calls compare with float64 torch.
-
-    outputs: indices of the outputs to compare (saved statistics are compared elsewhere).
-    """
-    low_precision = any(isinstance(a, torch.Tensor) and a.dtype is torch.bfloat16 for a in args)
-    if low_precision:
-        expected = op(*as_float64(args), **{name: as_float64(value) for name, value in kwargs.items()})
-    else:
-        expected = op(*args, **kwargs)
-    actual = run_mapping(op, *args, **kwargs)
-    single = isinstance(expected, torch.Tensor)
-    if single:
-        expected, actual = [expected], [actual]
-    for index, (want, got) in enumerate(zip(expected, actual)):
-        if outputs is not None and index not in outputs:
-            continue
-        if want is None:
-            assert got is None, f"output {index} should be absent"
-            continue
-        if low_precision:
-            torch.testing.assert_close(got.double(), want.to(got.dtype).double(), equal_nan=True, **BF16)
-        else:
-            torch.testing.assert_close(got, want, equal_nan=True)
-    return actual[0] if single else actual
+# This file runs its entries op by op (eager), where the other families trace them under jax.jit.
+check = functools.partial(op_testing.check, eager=True, bfloat16_against_float64=BF16)
 
 
 def sample(*shape, dtype=torch.float32, seed=0):
@@ -128,7 +70,7 @@ def test_addmm_beta_zero_ignores_nan():
 def test_bfloat16_products_accumulate_in_float32():
     # 512 terms of 1 + 2**-8: a bfloat16 running sum would stall; float32 accumulation does not.
     ones = torch.full((1, 512), 1 + 2**-8, dtype=torch.bfloat16)
-    result = run_mapping(aten.mm.default, ones, torch.ones(512, 1, dtype=torch.bfloat16))
+    result = run_mapping(aten.mm.default, ones, torch.ones(512, 1, dtype=torch.bfloat16), eager=True)
     torch.testing.assert_close(result.double(), torch.tensor([[514.0]], dtype=torch.float64), atol=2, rtol=0)
 
 
@@ -167,7 +109,7 @@ def test_convolution_low_precision(dtype):
 def test_convolution_backward_honours_output_mask():
     input, weight = sample(1, 2, 5, 5), sample(3, 2, 3, 3, seed=1)
     grad = sample(1, 3, 3, 3, seed=2)
-    grads = run_mapping(aten.convolution_backward.default, grad, input, weight, [3], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [False, True, False])
+    grads = run_mapping(aten.convolution_backward.default, grad, input, weight, [3], [1, 1], [0, 0], [1, 1], False, [0, 0], 1, [False, True, False], eager=True)
     assert grads[0] is None and grads[2] is None and grads[1].shape == weight.shape
 
 
@@ -332,7 +274,7 @@ def test_fused_rms_norm(eps, dtype):
     grad = sample(*input.shape, dtype=dtype, seed=2)
     leaf_input, leaf_weight = input.clone().requires_grad_(), weight.clone().requires_grad_()
     F.rms_norm(leaf_input, [6], leaf_weight, eps).backward(grad)
-    grads = run_mapping(aten._fused_rms_norm_backward.default, grad, input, [6], inverse_rms, weight, [True, True])
+    grads = run_mapping(aten._fused_rms_norm_backward.default, grad, input, [6], inverse_rms, weight, [True, True], eager=True)
     torch.testing.assert_close(grads[0], leaf_input.grad)
     torch.testing.assert_close(grads[1], leaf_weight.grad)
 

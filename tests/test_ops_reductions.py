@@ -1,40 +1,11 @@
 """Reduction, scan and foreach mappings against eager torch: values, result dtypes and shapes."""
 
-import jax
+import pytest
+import torch
 
-jax.config.update("jax_enable_x64", True)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-from torch.testing import make_tensor  # noqa: E402
-
-import bridge.op_mappings  # noqa: E402,F401  (registers the tables)
-from op_testing import assert_same, run_mapping, through_bridge  # noqa: E402
+from op_testing import check, sample, seeded, through_bridge  # noqa: F401  (seeded: autouse)
 
 aten = torch.ops.aten
-
-
-# ---------------------------------------------------------------- harness
-
-
-
-def check(op, *args, tolerance=None, **kwargs):
-    expected = op(*args, **kwargs)
-    actual = run_mapping(op, *args, **kwargs)
-    try:
-        assert_same(actual, expected, **(tolerance or {}))
-    except AssertionError as error:
-        raise AssertionError(f"{op} on {args} {kwargs}:\n{error}\nbridge: {actual}\ntorch:  {expected}") from None
-
-
-@pytest.fixture(autouse=True)
-def seeded():
-    torch.manual_seed(0)
-
-
-def sample(shape, dtype, low=None, high=None):
-    return make_tensor(shape, dtype=dtype, device="cpu", low=low, high=high)
-
 
 # torch sums float32 pairwise, XLA in its own order: allow for the rounding of a few hundred terms.
 SUM_TOLERANCE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=1.6e-2, atol=1e-2)}

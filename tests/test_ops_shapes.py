@@ -1,33 +1,12 @@
 """Shape and view mappings against eager torch: values of each entry called directly, and gradients through the bridge."""
 
-import jax
 import pytest
 import torch
 
-import bridge.op_mappings  # noqa: F401  (registers the tables)
-from op_testing import run_mapping as run, through_bridge  # noqa: E402
+from op_testing import check, through_bridge
+from op_testing import seeded_sample as sample
 
-jax.config.update("jax_enable_x64", True)
 aten = torch.ops.aten
-
-
-def check(op, *args, eager=False, **kwargs):
-    """Run the mapping of `op` on the JAX copies of the arguments and compare with torch."""
-    expected = op(*args, **kwargs)
-    actual = run(op, *args, eager=eager, **kwargs)
-    if isinstance(expected, tuple):
-        actual = tuple(actual)
-    torch.testing.assert_close(actual, expected, equal_nan=True)
-    return actual
-
-
-def sample(shape, dtype=torch.float32):
-    generator = torch.Generator().manual_seed(0)
-    if dtype is torch.bool:
-        return torch.rand(shape, generator=generator) > 0.5
-    if not dtype.is_floating_point and not dtype.is_complex:
-        return torch.randint(-50, 50, shape, generator=generator, dtype=dtype)
-    return torch.randn(shape, generator=generator, dtype=dtype)
 
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.int64, torch.bool]

@@ -1,15 +1,10 @@
 """Special-function and order-statistic mappings against eager torch: values (special cases
 included), result dtypes, and gradients through the bridge with no CPU fallback."""
 
-import jax
+import pytest
+import torch
 
-jax.config.update("jax_enable_x64", True)
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import bridge.op_mappings  # noqa: E402,F401  (registers the tables)
-from op_testing import run_mapping, through_bridge  # noqa: E402
+from op_testing import check, through_bridge
 
 aten = torch.ops.aten
 
@@ -32,20 +27,6 @@ POLYNOMIALS = [
     "shifted_chebyshev_polynomial_w", "hermite_polynomial_h", "hermite_polynomial_he", "laguerre_polynomial_l",
     "legendre_polynomial_p",
 ]
-
-
-def check(op, *args, eager=False, **kwargs):
-    expected = op(*args, **kwargs)
-    actual = run_mapping(op, *args, eager=eager, **kwargs)
-    if not isinstance(expected, (torch.Tensor, tuple, list)):
-        assert actual == expected, f"{op}: {actual} != torch's {expected}"
-        return
-    if isinstance(expected, torch.Tensor):
-        actual, expected = (actual,), (expected,)
-    assert len(actual) == len(expected)
-    for got, want in zip(actual, expected):
-        assert got.dtype == want.dtype, f"{op}: dtype {got.dtype} != torch's {want.dtype}"
-        torch.testing.assert_close(got, want, equal_nan=True, msg=lambda text: f"{op} on {args} {kwargs}:\n{text}")
 
 
 @pytest.mark.parametrize("op", UNARY, ids=str)
