@@ -26,6 +26,8 @@ from . import (  # noqa: F401  (imported for their registrations)
     linalg,
     grouped_matmul,
     convolution,
+    pooling,
+    resampling,
     normalization,
     losses,
     activations,

@@ -15,12 +15,7 @@ from jax import lax
 from bridge.op_mappings import flash_attention
 from bridge.runtime import config
 from bridge.runtime.registry import aten, register_mapping
-
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _accumulator(dtype):
-    return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
+from .common import LOW_PRECISION, accumulator_dtype
 
 
 @functools.partial(jax.jit, static_argnames=("is_causal", "scale", "plain"))
@@ -65,7 +60,7 @@ def _fused_float32(query, key, value, attn_mask):
 
 def _scores(query, key, attn_mask, is_causal, scale, precision):
     """The scaled, masked score matrix, in the accumulator dtype."""
-    accumulator = _accumulator(query.dtype)
+    accumulator = accumulator_dtype(query.dtype)
     scores = jnp.einsum("...qd,...kd->...qk", query, key, precision=precision, preferred_element_type=accumulator)
     scores = scores * jnp.asarray(scale, dtype=accumulator)
     if is_causal:
@@ -89,7 +84,7 @@ def _full_attention(query, key, value, attn_mask, is_causal, scale, precision):
 
 
 def _full_attention_forward(query, key, value, attn_mask, is_causal, scale, precision):
-    accumulator = _accumulator(query.dtype)
+    accumulator = accumulator_dtype(query.dtype)
     scores = _scores(query, key, attn_mask, is_causal, scale, precision)
     # Softmax is shift-invariant, so the row maximum needs no gradient; a fully masked row
     # (maximum -inf) yields zeros and a logsumexp of 0, as torch's kernel gives.
@@ -136,7 +131,7 @@ def _full_attention_backward(is_causal, scale, precision, residuals, cotangents)
     # As in _blocked_causal_backward: recompute the scores rather than let XLA keep the forward's.
     query, key, value, attn_mask, out, logsumexp = lax.optimization_barrier(residuals)
     grad_out, grad_logsumexp = cotangents
-    grad_out = grad_out.astype(_accumulator(query.dtype))
+    grad_out = grad_out.astype(accumulator_dtype(query.dtype))
     scores = _scores(query, key, attn_mask, is_causal, scale, precision)
     probabilities = jnp.exp(scores - logsumexp[..., None])  # 0 on masked entries and fully masked rows
     delta = _row_term(grad_out, out, grad_logsumexp)
@@ -166,9 +161,8 @@ def _causal_block(query, key, is_causal, attn_mask):
     """The query block size of `_blocked_causal` where it applies (causal, no explicit mask,
     square, at least 512 long and a multiple of the block), else 0.
 
-    Four blocks: GPT-2 small's float32 step on an H100 took 172.7 ms with four, 173.3 with two
-    and 178.4 with eight (benchmarks/results/gpt2_fp32_blocks_*.md): more blocks skip more
-    products but run more, smaller matrix products and slices."""
+    Four blocks, the fastest of two, four and eight (benchmarks/results/gpt2_fp32_blocks_*.md):
+    more blocks skip more products but run more, smaller matrix products and slices."""
     length = query.shape[-2]
     if not is_causal or attn_mask is not None or key.shape[-2] != length or length < 512:
         return 0
@@ -188,7 +182,7 @@ def _blocked_causal(query, key, value, scale, block, precision):
 
 
 def _block_probabilities(q, key, start, stop, scale, precision, logsumexp=None):
-    accumulator = _accumulator(q.dtype)
+    accumulator = accumulator_dtype(q.dtype)
     scores = jnp.einsum(
         "...qd,...kd->...qk", q, key[..., :stop, :], precision=precision, preferred_element_type=accumulator
     )
@@ -205,7 +199,7 @@ def _block_probabilities(q, key, start, stop, scale, precision, logsumexp=None):
 
 
 def _blocked_causal_forward(query, key, value, scale, block, precision):
-    accumulator = _accumulator(query.dtype)
+    accumulator = accumulator_dtype(query.dtype)
     outs, logsumexps = [], []
     for start in range(0, query.shape[-2], block):
         stop = start + block
@@ -229,12 +223,11 @@ def _blocked_causal_backward(scale, block, precision, residuals, cotangents):
     # The barrier keeps XLA from merging this pass's recomputed score blocks (and its slices
     # of the query, key and value) with the forward's identical ones: merged, every layer's
     # score blocks stayed alive from the forward to its backward, as saved probabilities would.
-    # GPT-2 small in float32 on an H100, at 8 blocks: peak 16.23 -> 11.97 GiB (torch eager
-    # 12.15), for a step 6 ms longer (172.7 -> 178.6 ms) spent recomputing the scores, as
-    # torch's kernel does.
+    # Recomputing the scores, as torch's kernel does, costs a little time for peak memory under
+    # torch eager's (benchmarks/results/h100_session_2026-11-23_night.md).
     query, key, value, out, logsumexp = lax.optimization_barrier(residuals)
     grad_out, grad_logsumexp = cotangents
-    accumulator = _accumulator(query.dtype)
+    accumulator = accumulator_dtype(query.dtype)
     grad_out = grad_out.astype(accumulator)
     delta = _row_term(grad_out, out, grad_logsumexp)
     grad_query = []
@@ -280,7 +273,7 @@ def _cudnn_output(query, key, value, is_causal, attn_mask, scale):
     head sizes cuDNN takes. None where it does not apply."""
     if not (
         config.settings.tracing
-        and query.dtype in _LOW_PRECISION
+        and query.dtype in LOW_PRECISION
         and attn_mask is None
         and query.ndim == 4
         and query.shape[-1] == value.shape[-1]

@@ -11,12 +11,7 @@ import numpy as np
 
 from bridge.runtime import config
 from bridge.runtime.registry import aten, register_mapping, use_torch_gradient
-
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _accumulator(dtype):
-    return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
+from .common import accumulator_dtype
 
 
 def _norm(difference, p):
@@ -87,7 +82,7 @@ def _euclidean_by_matmul(x1, x2):
 @register_mapping(aten._cdist_forward.default)
 def cdist_forward(x1, x2, p, compute_mode):
     dtype = jnp.result_type(x1, x2)
-    accumulator = _accumulator(dtype)
+    accumulator = accumulator_dtype(dtype)
     x1, x2 = _broadcast_batches(x1.astype(accumulator), x2.astype(accumulator))
     if _uses_matmul(p, compute_mode, x1.shape[-2], x2.shape[-2]) and x1.size and x2.size:
         return _euclidean_by_matmul(x1, x2).astype(dtype)
@@ -100,7 +95,7 @@ def cdist_backward(grad, x1, x2, p, cdist):
     dtype = x1.dtype
     if 0 in grad.shape or x1.shape[-1] == 0:
         return jnp.zeros_like(x1)  # torch's kernel: zeros shaped as x1, batch not broadcast
-    accumulator = _accumulator(dtype)
+    accumulator = accumulator_dtype(dtype)
     x1, x2 = _broadcast_batches(x1.astype(accumulator), x2.astype(accumulator))
     difference = x1[..., :, None, :] - x2[..., None, :, :]
     per_pair = _norm_gradient(difference, cdist.astype(accumulator), grad.astype(accumulator), p)
@@ -114,7 +109,7 @@ def _pairs(count):
 
 @register_mapping(aten._pdist_forward.default)
 def pdist_forward(self, p=2.0):
-    accumulator = _accumulator(self.dtype)
+    accumulator = accumulator_dtype(self.dtype)
     rows, cols = _pairs(self.shape[0])
     values = self.astype(accumulator)
     difference = values[rows] - values[cols]
@@ -124,7 +119,7 @@ def pdist_forward(self, p=2.0):
 @register_mapping(aten._pdist_backward.default)
 def pdist_backward(grad, self, p, pdist):
     count = self.shape[0]
-    accumulator = _accumulator(self.dtype)
+    accumulator = accumulator_dtype(self.dtype)
     rows, cols = _pairs(count)
     values = self.astype(accumulator)
     difference = values[rows] - values[cols]

@@ -10,14 +10,11 @@ from jax import lax
 from bridge.runtime import registry, versions
 from bridge.runtime.dtypes import ALWAYS_BOOL, BOOL_TO_LONG, COMPLEX_TO_FLOAT, DEFAULT, INT_TO_FLOAT, NO_OPMATH
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
+from .common import is_integral
 
 
 # Ops whose result is exact in any dtype skip torch's "opmath" upcast of bfloat16/float16 (NO_OPMATH):
 # computing in float32 and rounding back would give the same values at the cost of two casts.
-
-
-def _is_integral(array):
-    return jnp.issubdtype(array.dtype, jnp.integer) or array.dtype == jnp.bool_
 
 
 # ---------------------------------------------------------------- arithmetic
@@ -69,14 +66,14 @@ def div(self, other):
 
 @register_mapping(aten.floor_divide.default, aten.floor_divide.Scalar, promote=DEFAULT)
 def floor_divide(self, other):
-    if _is_integral(self):
+    if is_integral(self):
         return jnp.floor_divide(self, other)
     # torch divides by zero as a true division (inf, nan); jnp's divmod would give nan throughout.
     return jnp.where(other == 0, jnp.true_divide(self, other), jnp.floor_divide(self, other))
 
 
 def _trunc_divide(self, other):
-    if _is_integral(self):
+    if is_integral(self):
         return lax.div(*jnp.broadcast_arrays(self, jnp.asarray(other, dtype=self.dtype)))
     return jnp.trunc(jnp.true_divide(self, other))
 
@@ -248,7 +245,7 @@ for _op, _function in _FLOAT_UNARY.items():
 
 def _identity_for_integers(function):
     def rounding(self):
-        return self if _is_integral(self) else function(self)
+        return self if is_integral(self) else function(self)
 
     rounding.__name__ = function.__name__
     return rounding
@@ -454,7 +451,7 @@ def isneginf(self):
 
 @register_mapping(aten.nan_to_num.default)
 def nan_to_num(self, nan=None, posinf=None, neginf=None):
-    if _is_integral(self):
+    if is_integral(self):
         return self
     return jnp.nan_to_num(self, nan=0.0 if nan is None else nan, posinf=posinf, neginf=neginf)
 

@@ -13,11 +13,7 @@ import torch
 
 from bridge.runtime import dtypes, versions
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping
-
-
-
-def _default_float():
-    return dtypes.TORCH_TO_JAX[torch.get_default_dtype()]
+from .common import default_float
 
 
 def _scalar_dtype(value):
@@ -31,7 +27,7 @@ def _scalar_dtype(value):
 
 @register_mapping(aten.empty.memory_format, aten.zeros.default)
 def zeros(size, *, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
-    return jnp.zeros(tuple(size), dtype=jnp_dtype(dtype, _default_float()))
+    return jnp.zeros(tuple(size), dtype=jnp_dtype(dtype, default_float()))
 
 
 @register_mapping(aten.empty_strided.default)
@@ -46,7 +42,7 @@ def empty_permuted(size, physical_layout, *, dtype=None, layout=None, device=Non
 
 @register_mapping(aten.ones.default)
 def ones(size, *, dtype=None, layout=None, device=None, pin_memory=None):
-    return jnp.ones(tuple(size), dtype=jnp_dtype(dtype, _default_float()))
+    return jnp.ones(tuple(size), dtype=jnp_dtype(dtype, default_float()))
 
 
 @register_mapping(aten.full.default)
@@ -57,7 +53,7 @@ def full(size, fill_value, *, dtype=None, layout=None, device=None, pin_memory=N
 @register_mapping(aten.scalar_tensor.default)
 def scalar_tensor(s, *, dtype=None, layout=None, device=None, pin_memory=None):
     # Unlike torch.tensor, scalar_tensor makes the default float dtype whatever the number.
-    return jnp.asarray(s, dtype=jnp_dtype(dtype, _default_float()))
+    return jnp.asarray(s, dtype=jnp_dtype(dtype, default_float()))
 
 
 # ---------------------------------------------------------------- fills shaped like another tensor
@@ -131,7 +127,7 @@ def arange_start_step(start, end, step=1, *, dtype=None, layout=None, device=Non
 def _scalar_dtype_of_range(*bounds):
     # Any float bound makes a float range (the default dtype); all-integer bounds make int64.
     if any(isinstance(bound, float) for bound in bounds):
-        return _default_float()
+        return default_float()
     return jnp.dtype(jnp.int64)
 
 
@@ -174,13 +170,13 @@ def _each_op_rounded(compute):
 
 @register_mapping(aten.linspace.default, aten.linspace.Tensor_Tensor, aten.linspace.Tensor_Scalar, aten.linspace.Scalar_Tensor)
 def linspace(start, end, steps, *, dtype=None, layout=None, device=None, pin_memory=None):
-    result = jnp_dtype(dtype, _default_float())
+    result = jnp_dtype(dtype, default_float())
     return _linspace_values(start, end, steps, result, _interpolation_dtype(result)).astype(result)
 
 
 @register_mapping(aten.logspace.default, aten.logspace.Tensor_Tensor, aten.logspace.Tensor_Scalar, aten.logspace.Scalar_Tensor)
 def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=None, pin_memory=None):
-    result = jnp_dtype(dtype, _default_float())
+    result = jnp_dtype(dtype, default_float())
     # torch raises base to exponents computed in double.
     if steps == 1:
         # torch fills base ** start with start read in double, not first rounded to the result
@@ -194,12 +190,12 @@ def logspace(start, end, steps, base=10.0, *, dtype=None, layout=None, device=No
 
 @register_mapping(aten.eye.default)
 def eye(n, *, dtype=None, layout=None, device=None, pin_memory=None):
-    return jnp.eye(n, dtype=jnp_dtype(dtype, _default_float()))
+    return jnp.eye(n, dtype=jnp_dtype(dtype, default_float()))
 
 
 @register_mapping(aten.eye.m)
 def eye_m(n, m, *, dtype=None, layout=None, device=None, pin_memory=None):
-    return jnp.eye(n, m, dtype=jnp_dtype(dtype, _default_float()))
+    return jnp.eye(n, m, dtype=jnp_dtype(dtype, default_float()))
 
 
 @register_mapping(aten.tril_indices.default)

@@ -9,9 +9,8 @@ as torch's memory-efficient kernel does. Causal attention skips the key blocks a
 diagonal and masks only the blocks that cross it.
 
 Matrix products: for torch's default float32 precision, three TF32 tensor-core products each
-(see `flash_attention`), which measured as close to float64 as torch's own float32 kernel; for
-torch's "high", one TF32 product. GPT-2 small's float32 step on an H100 went from 172.7 ms (XLA's
-blocked form) to 156.2 ms, against torch eager's 164.2 (benchmarks/results/gpt2_fp32_kernel_final.md).
+(see `flash_attention`); for torch's "high", one TF32 product. It runs GPT-2 small's float32
+step faster than XLA's blocked form and torch eager (benchmarks/results/gpt2_fp32_kernel_final.md).
 Inputs are (batch, heads, length, head size), as torch gives them; `interpret=True` runs the
 kernels through Pallas's interpreter on any backend (the tests do, on the CPU).
 """
@@ -58,9 +57,9 @@ def flash_attention(query, key, value, causal, scale, precision, interpret=False
     does. `blocks`: (forward, backward) settings as FORWARD and BACKWARD, None for those.
 
     On a GPU, full float32 precision (`Precision.HIGHEST`) runs each product as three TF32
-    tensor-core products (`DotAlgorithmPreset.TF32_TF32_F32_X3`): float32 products on Triton's
-    FMA path took about 18 times torch's time, and the three-pass form measured as close to a float64
-    reference as torch's own float32 kernel (benchmarks/results/attention_kernel_h100.md)."""
+    tensor-core products (`DotAlgorithmPreset.TF32_TF32_F32_X3`): Triton's FMA path for float32
+    products is many times slower, and the three-pass form is as close to a float64 reference as
+    torch's own float32 kernel (benchmarks/results/attention_kernel_h100.md)."""
     return _forward(query, key, value, causal, scale, precision, interpret, blocks)[0]
 
 
@@ -72,7 +71,7 @@ def _products(precision, interpret):
 
 
 def _compiler_params(num_warps, num_stages):
-    # Imported when a kernel is built for a GPU (28 ms): the interpreter and CPUs never need it.
+    # Imported when a kernel is built for a GPU (a slow import): the interpreter and CPUs never need it.
     from jax.experimental.pallas import triton as plgpu
 
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)

@@ -15,9 +15,9 @@ from jax import lax
 
 from bridge.runtime import config
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping, register_named_mapping
+from .common import LOW_PRECISION, accumulator_dtype
 
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-_SUPPORTED = (jnp.dtype(jnp.float32), *_LOW_PRECISION)
+_SUPPORTED = (jnp.dtype(jnp.float32), *LOW_PRECISION)
 _TORCH_NAMES = {jnp.dtype(jnp.float64): "Double", jnp.dtype(jnp.int32): "Int", jnp.dtype(jnp.int64): "Long"}
 
 
@@ -64,7 +64,7 @@ def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     _check(self, mat2, offs, bias, out_dtype)
     out_dtype = self.dtype if out_dtype is None else out_dtype
     precision = config.matmul_precision()
-    accumulate = jnp.dtype(jnp.float32) if self.dtype in _LOW_PRECISION else self.dtype
+    accumulate = accumulator_dtype(self.dtype)
     if self.ndim == 3 and mat2.ndim == 3:
         out = jnp.einsum("gmk,gkn->gmn", self, mat2, precision=precision, preferred_element_type=accumulate)
     elif self.ndim == 2 and mat2.ndim == 3:

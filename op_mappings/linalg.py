@@ -1,4 +1,5 @@
-"""Matrix products: mm, bmm, the add*-fused forms (addmm, baddbmm, addbmm, addmv), mv, dot, vdot.
+"""Matrix products: mm, bmm, the add*-fused forms (addmm, baddbmm, addbmm, addmv), mv, dot, vdot,
+and _trilinear (F.bilinear's three-operand contraction).
 
 Half-precision inputs accumulate in float32 and round once, as torch's kernels do;
 float32 products use the precision that torch's matmul setting asks for.
@@ -11,26 +12,22 @@ import jax.numpy as jnp
 
 from bridge.runtime import config
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping
+from .common import LOW_PRECISION, accumulator_dtype
 
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _FLOAT32 = jnp.dtype(jnp.float32)
-
-
-def _accumulator(dtype):
-    return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
 
 
 def _product(subscripts, left, right, out_dtype=None):
     """einsum in the accumulation dtype of the operands, rounded to `out_dtype` (default: the operands')."""
     out_dtype = left.dtype if out_dtype is None else out_dtype
-    if config.settings.tracing and left.dtype in _LOW_PRECISION and left.dtype == right.dtype:
+    if config.settings.tracing and left.dtype in LOW_PRECISION and left.dtype == right.dtype:
         return _half_einsum(subscripts, left, right, config.matmul_precision(), jnp.dtype(out_dtype))
     product = jnp.einsum(
         subscripts,
         left,
         right,
         precision=config.matmul_precision(),
-        preferred_element_type=_accumulator(left.dtype),
+        preferred_element_type=accumulator_dtype(left.dtype),
     )
     return product.astype(out_dtype)
 
@@ -64,7 +61,7 @@ _half_einsum.defvjp(_half_einsum_forward, _half_einsum_backward)
 
 def _fused_add(self, product, beta, alpha, out_dtype):
     """beta * self + alpha * product, where beta == 0 ignores self (NaN included), as torch does."""
-    accumulator = _accumulator(out_dtype)
+    accumulator = accumulator_dtype(out_dtype)
     product = product.astype(accumulator)
     if alpha != 1:
         product = product * jnp.asarray(alpha, dtype=accumulator)
@@ -123,10 +120,10 @@ def outer(self, vec2):
 
 
 def _addmm(self, mat1, mat2, beta, alpha, out_dtype):
-    if config.settings.tracing and mat1.dtype in _LOW_PRECISION and mat1.dtype == mat2.dtype:
+    if config.settings.tracing and mat1.dtype in LOW_PRECISION and mat1.dtype == mat2.dtype:
         return _fused_add(self, _half_einsum("ij,jk->ik", mat1, mat2, config.matmul_precision(), _FLOAT32), beta, alpha, out_dtype)
     product = jnp.einsum(
-        "ij,jk->ik", mat1, mat2, precision=config.matmul_precision(), preferred_element_type=_accumulator(mat1.dtype)
+        "ij,jk->ik", mat1, mat2, precision=config.matmul_precision(), preferred_element_type=accumulator_dtype(mat1.dtype)
     )
     return _fused_add(self, product, beta, alpha, out_dtype)
 
@@ -147,7 +144,7 @@ def _baddbmm(self, batch1, batch2, beta, alpha, out_dtype):
         batch1,
         batch2,
         precision=config.matmul_precision(),
-        preferred_element_type=_accumulator(batch1.dtype),
+        preferred_element_type=accumulator_dtype(batch1.dtype),
     )
     return _fused_add(self, product, beta, alpha, out_dtype)
 
@@ -170,7 +167,7 @@ def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
         batch1,
         batch2,
         precision=config.matmul_precision(),
-        preferred_element_type=_accumulator(batch1.dtype),
+        preferred_element_type=accumulator_dtype(batch1.dtype),
     )
     return _fused_add(self, product, beta, alpha, batch1.dtype)
 
@@ -178,6 +175,54 @@ def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
 @register_mapping(aten.addmv.default)
 def addmv(self, mat, vec, *, beta=1, alpha=1):
     product = jnp.einsum(
-        "ij,j->i", mat, vec, precision=config.matmul_precision(), preferred_element_type=_accumulator(mat.dtype)
+        "ij,j->i", mat, vec, precision=config.matmul_precision(), preferred_element_type=accumulator_dtype(mat.dtype)
     )
     return _fused_add(self, product, beta, alpha, mat.dtype)
+
+
+# ---------------------------------------------------------------- _trilinear (F.bilinear, nn.Bilinear)
+
+
+@register_mapping(aten._trilinear.default)
+def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    """sum over `sumdim` of i1 * i2 * i3, each first unsqueezed at its `expand` dims.
+
+    As torch's kernel does, in two contractions rounded to the dtype in between: i1 with i2 over
+    the summed dims i3 lacks, then that with i3 over the rest.
+    """
+    operands = []
+    for tensor, expand in ((i1, expand1), (i2, expand2), (i3, expand3)):
+        for dim in sorted(expand):
+            tensor = jnp.expand_dims(tensor, dim)
+        operands.append(tensor)
+    ndim = operands[0].ndim
+    # Broadcast sizes (a 0 wins over a 1).
+    sizes = [next((o.shape[dim] for o in operands if o.shape[dim] != 1), 1) for dim in range(ndim)]
+    letters = "abcdefghijklmnopqrstuvwxyz"[:ndim]
+    present, squeezed = [], []
+    for operand in operands:
+        # Size-1 dims (the expanded ones, or broadcasting ones) are dropped from that operand.
+        dropped = tuple(dim for dim in range(ndim) if operand.shape[dim] == 1 and sizes[dim] != 1)
+        squeezed.append(jnp.squeeze(operand, dropped) if dropped else operand)
+        present.append([dim for dim in range(ndim) if dim not in dropped])
+    summed = set(sumdim)
+    dtype = jnp.result_type(i1, i2, i3)
+    accumulator = accumulator_dtype(dtype)
+
+    def contract(left, left_dims, right, right_dims, keep):
+        text = "".join(letters[d] for d in left_dims) + "," + "".join(letters[d] for d in right_dims)
+        return jnp.einsum(
+            text + "->" + "".join(letters[d] for d in keep),
+            left,
+            right,
+            precision=config.matmul_precision(),
+            preferred_element_type=accumulator,
+        ).astype(dtype)
+
+    pair_dims = sorted(set(present[0]) | set(present[1]))
+    pair_keep = [d for d in pair_dims if not (d in summed and d not in present[2])]
+    pair = contract(squeezed[0], present[0], squeezed[1], present[1], pair_keep)
+    keep = [d for d in range(ndim) if d not in summed and (d in pair_keep or d in present[2])]
+    out = contract(pair, pair_keep, squeezed[2], present[2], keep)
+    # Dims no operand has (size 1 everywhere) and that are not summed stay in the output.
+    return out.reshape(tuple(1 if d not in keep else sizes[d] for d in range(ndim) if d not in summed))

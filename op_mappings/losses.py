@@ -13,13 +13,9 @@ from jax import lax
 
 from bridge.runtime import config, dtypes
 from bridge.runtime.registry import TolerantNamespace, aten, jnp_dtype, register_mapping, use_torch_gradient
+from .common import accumulator_dtype
 
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _NONE, _MEAN, _SUM = 0, 1, 2
-
-
-def _accumulator(dtype):
-    return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
 
 
 def _reduce(losses, reduction):
@@ -48,14 +44,14 @@ def _along(function, values, dim):
 @register_mapping(aten._softmax.default)
 def softmax(self, dim, half_to_float):
     result = jnp.dtype(jnp.float32) if half_to_float else self.dtype
-    out = _along(lambda values, axis: jax.nn.softmax(values, axis=axis), self.astype(_accumulator(self.dtype)), dim)
+    out = _along(lambda values, axis: jax.nn.softmax(values, axis=axis), self.astype(accumulator_dtype(self.dtype)), dim)
     return out.astype(result)
 
 
 @register_mapping(aten._log_softmax.default)
 def log_softmax(self, dim, half_to_float):
     result = jnp.dtype(jnp.float32) if half_to_float else self.dtype
-    out = _along(lambda values, axis: jax.nn.log_softmax(values, axis=axis), self.astype(_accumulator(self.dtype)), dim)
+    out = _along(lambda values, axis: jax.nn.log_softmax(values, axis=axis), self.astype(accumulator_dtype(self.dtype)), dim)
     return out.astype(result)
 
 
@@ -63,7 +59,7 @@ def log_softmax(self, dim, half_to_float):
 def safe_softmax(self, dim, dtype=None):
     """Softmax whose fully masked rows (all -inf) give zeros instead of NaN (attention's math path)."""
     result = jnp_dtype(dtype, self.dtype)
-    values = self.astype(_accumulator(result))
+    values = self.astype(accumulator_dtype(result))
 
     def safe(values, axis):
         masked = jnp.all(values == -jnp.inf, axis=axis, keepdims=True)
@@ -74,7 +70,7 @@ def safe_softmax(self, dim, dtype=None):
 
 @register_mapping(aten._softmax_backward_data.default)
 def softmax_backward_data(grad_output, output, dim, input_dtype):
-    accumulator = _accumulator(grad_output.dtype)
+    accumulator = accumulator_dtype(grad_output.dtype)
     grad, out = grad_output.astype(accumulator), output.astype(accumulator)
     keep = out.ndim > 0
     total = jnp.sum(grad * out, axis=dim, keepdims=True) if keep else grad * out
@@ -83,7 +79,7 @@ def softmax_backward_data(grad_output, output, dim, input_dtype):
 
 @register_mapping(aten._log_softmax_backward_data.default)
 def log_softmax_backward_data(grad_output, output, dim, input_dtype):
-    accumulator = _accumulator(grad_output.dtype)
+    accumulator = accumulator_dtype(grad_output.dtype)
     grad, out = grad_output.astype(accumulator), output.astype(accumulator)
     total = jnp.sum(grad, axis=dim, keepdims=True) if out.ndim > 0 else grad
     return (grad - jnp.exp(out) * total).astype(jnp_dtype(input_dtype))
@@ -97,7 +93,7 @@ def _nll_parts(self, target, weight, ignore_index):
     class_axis = 1 if self.ndim >= 2 else 0
     ignored = target == ignore_index
     safe_target = jnp.where(ignored, 0, target)
-    accumulator = _accumulator(self.dtype)
+    accumulator = accumulator_dtype(self.dtype)
     if weight is None:
         element_weight = jnp.ones(target.shape, dtype=accumulator)
     else:
@@ -280,7 +276,7 @@ def _per_sample_grad(grad_output, reduction, samples, dtype):
 def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None, reduction=_MEAN):
     # torch's kernel: every class i != y with z = margin - x[y] + x[i] > 0 gets g * (1 or 2z) * w[y],
     # and the target class minus their sum; g = 1/C, over N as well for the mean.
-    accumulator = _accumulator(self.dtype)
+    accumulator = accumulator_dtype(self.dtype)
     scores = self.astype(accumulator).reshape(-1, self.shape[-1]) if self.ndim else self.astype(accumulator).reshape(1, 1)
     samples, classes = scores.shape
     target = target.reshape(samples)
@@ -300,7 +296,7 @@ def multi_margin_loss_backward(grad_output, self, target, p, margin, weight=None
 def _multilabel_targets(self, target):
     """Scores as (N, C) in the accumulation dtype, and the targets up to each row's first -1:
     (accumulator, C, scores, N, listed mask, targets with the padding replaced by class 0)."""
-    accumulator = _accumulator(self.dtype)
+    accumulator = accumulator_dtype(self.dtype)
     classes = self.shape[-1] if self.ndim else 1
     scores = self.astype(accumulator).reshape(-1, classes)
     samples = scores.shape[0]
@@ -521,7 +517,7 @@ def _linear_cross_entropy_losses(input, linear_weight, target, linear_bias, weig
 
 def _chunked_accumulator(input, acc_dtype):
     accumulate = jnp_dtype(acc_dtype, None) if acc_dtype is not None else None
-    return accumulate if accumulate is not None else _accumulator(input.dtype)
+    return accumulate if accumulate is not None else accumulator_dtype(input.dtype)
 
 
 @register_mapping(_torch_nn._linear_cross_entropy_batch_chunked.default)

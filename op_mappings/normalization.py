@@ -16,12 +16,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from bridge.runtime import config
 from bridge.runtime.registry import MAPPINGS, aten, differentiate_as_torch, register_mapping
-
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _accumulator(dtype):
-    return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
+from .common import accumulator_dtype
 
 
 def _channel_shape(input):
@@ -89,7 +84,7 @@ _training_normalization.defvjp(_training_normalization_forward, _training_normal
 @functools.partial(jax.jit, static_argnames=("training", "eps", "traced"))
 def _batch_norm(input, weight, bias, running_mean, running_var, training, momentum, eps, traced=False):
     """(output, saved mean, saved inverse std, {running stat: new value})."""
-    accumulator = _accumulator(input.dtype)
+    accumulator = accumulator_dtype(input.dtype)
     values = input.astype(accumulator)
     updates = {}
     out = None
@@ -191,7 +186,7 @@ def batch_norm_no_update(input, weight, bias, running_mean, running_var, momentu
 
 @functools.partial(jax.jit, static_argnames=("train", "eps", "output_mask"))
 def _batch_norm_backward(grad_out, input, weight, running_mean, running_var, save_mean, save_invstd, train, eps, output_mask):
-    accumulator = _accumulator(input.dtype)
+    accumulator = accumulator_dtype(input.dtype)
     shape = _channel_shape(input)
     axes = (0,) + tuple(range(2, input.ndim))
     if train:
@@ -252,7 +247,7 @@ def native_layer_norm(input, normalized_shape, weight, bias, eps):
 
 @functools.partial(jax.jit, static_argnames=("normalized_shape", "eps"))
 def _layer_norm(input, normalized_shape, weight, bias, eps):
-    accumulator = _accumulator(input.dtype)
+    accumulator = accumulator_dtype(input.dtype)
     values = input.astype(accumulator)
     axes = _trailing_axes(input, normalized_shape)
     mean = jnp.mean(values, axis=axes, keepdims=True)
@@ -273,7 +268,7 @@ def native_layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, we
 
 @functools.partial(jax.jit, static_argnames=("normalized_shape", "output_mask"))
 def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask):
-    accumulator = _accumulator(input.dtype)
+    accumulator = accumulator_dtype(input.dtype)
     axes = _trailing_axes(input, normalized_shape)
     batch_axes = tuple(range(input.ndim - len(normalized_shape)))
     grad = grad_out.astype(accumulator)
@@ -331,7 +326,7 @@ def native_group_norm(input, weight, bias, N, C, HxW, group, eps):
 
 @functools.partial(jax.jit, static_argnames=("N", "C", "HxW", "group", "eps"))
 def _group_norm(input, weight, bias, N, C, HxW, group, eps):
-    accumulator = _accumulator(input.dtype)
+    accumulator = accumulator_dtype(input.dtype)
     values = _grouped(input.astype(accumulator), N, group)
     mean = jnp.mean(values, axis=-1)
     variance = jnp.mean(jnp.square(values - mean[..., None]), axis=-1)
@@ -352,7 +347,7 @@ def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, g
 
 @functools.partial(jax.jit, static_argnames=("N", "C", "HxW", "group", "output_mask"))
 def _group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
-    accumulator = _accumulator(input.dtype)
+    accumulator = accumulator_dtype(input.dtype)
     grad = grad_out.astype(accumulator).reshape(N, C, HxW)
     values = input.astype(accumulator).reshape(N, C, HxW)
     per_channel = C // group
@@ -391,7 +386,7 @@ def fused_rms_norm(input, normalized_shape, weight, eps):
 
 @functools.partial(jax.jit, static_argnames=("normalized_shape", "eps"))
 def _rms_norm(input, normalized_shape, weight, eps):
-    accumulator = _accumulator(input.dtype)
+    accumulator = accumulator_dtype(input.dtype)
     values = input.astype(accumulator)
     axes = _trailing_axes(input, normalized_shape)
     inverse_rms = 1 / jnp.sqrt(jnp.mean(jnp.square(values), axis=axes, keepdims=True) + _rms_epsilon(accumulator, eps))
@@ -408,7 +403,7 @@ def fused_rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, out
 
 @functools.partial(jax.jit, static_argnames=("normalized_shape", "output_mask"))
 def _rms_norm_backward(grad_out, input, normalized_shape, rstd, weight, output_mask):
-    accumulator = _accumulator(input.dtype)
+    accumulator = accumulator_dtype(input.dtype)
     axes = _trailing_axes(input, normalized_shape)
     batch_axes = tuple(range(input.ndim - len(normalized_shape)))
     grad = grad_out.astype(accumulator)

@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import jax.scipy.special as special
 import numpy as np
-import torch
 from jax import lax
 
 from bridge.runtime.registry import jnp_dtype, prims, register_mapping
+from .common import default_float
 
 
 _UNARY = {
@@ -121,7 +121,7 @@ def full_like(a, fill_value, *, dtype, device, requires_grad):
 
 @register_mapping(prims.scalar_tensor.default)
 def scalar_tensor(s, *, dtype=None, device=None):
-    return jnp.asarray(s, dtype=jnp_dtype(dtype, jnp_dtype(torch.get_default_dtype())))
+    return jnp.asarray(s, dtype=jnp_dtype(dtype, default_float()))
 
 
 @register_mapping(prims.iota.default)

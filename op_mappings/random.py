@@ -8,17 +8,11 @@ torch's distributions but not its bit streams. In-place forms (`uniform_`, `norm
 import jax
 import jax.numpy as jnp
 import numpy as np
-import torch
 from jax import lax
 
-from bridge.runtime.dtypes import TORCH_TO_JAX, is_lifted_float
+from bridge.runtime.dtypes import is_lifted_float
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping
-
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _default_float():
-    return TORCH_TO_JAX[torch.get_default_dtype()]
+from .common import default_float
 
 
 def _sampling_dtype(dtype):
@@ -72,12 +66,12 @@ def _full_range(dtype):
 
 @register_mapping(aten.rand, rng=True)
 def rand(size, *, key, dtype=None, generator=None, **ignored):
-    return _uniform(key, tuple(size), jnp_dtype(dtype, _default_float()))
+    return _uniform(key, tuple(size), jnp_dtype(dtype, default_float()))
 
 
 @register_mapping(aten.randn, rng=True)
 def randn(size, *, key, dtype=None, generator=None, **ignored):
-    return _normal(key, tuple(size), jnp_dtype(dtype, _default_float()))
+    return _normal(key, tuple(size), jnp_dtype(dtype, default_float()))
 
 
 @register_mapping(aten.rand_like, rng=True)
@@ -155,7 +149,7 @@ def normal_tensor_tensor(mean, std, *, key, generator=None):
 
 @register_mapping(aten.normal.float_float, rng=True)
 def normal_float_float(mean, std, size, *, key, dtype=None, generator=None, **ignored):
-    dtype = jnp_dtype(dtype, _default_float())
+    dtype = jnp_dtype(dtype, default_float())
     return (mean + std * _normal(key, tuple(size), _sampling_dtype(dtype))).astype(dtype)
 
 
@@ -252,5 +246,5 @@ def native_dropout_backward(grad_output, mask, scale):
     # torch computes (grad * mask) * scale: an integral or bool gradient becomes the default float.
     masked = grad_output * mask.astype(grad_output.dtype)
     if not jnp.issubdtype(grad_output.dtype, jnp.inexact):
-        masked = masked.astype(_default_float())
+        masked = masked.astype(default_float())
     return (masked * scale).astype(masked.dtype)

@@ -15,14 +15,10 @@ from jax import lax
 
 from bridge.runtime import config
 from bridge.runtime.registry import aten, register_mapping
+from .common import accumulator_dtype
 
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # ideep::rnn_kind, the `mode` argument; torch calls the oneDNN layer for LSTM only.
 _LSTM = 2
-
-
-def _accumulator(dtype):
-    return jnp.dtype(jnp.float32) if dtype in _LOW_PRECISION else dtype
 
 
 def _check_mode(mode, batch_sizes):
@@ -58,7 +54,7 @@ def _lstm_layer(input, weight_ih, weight_hh, bias, hx, cx, reverse):
 
 @functools.partial(jax.jit, static_argnames=("reverse", "has_biases"))
 def _forward(input, weight0, weight1, weight2, weight3, hx, cx, reverse, has_biases):
-    accumulator = _accumulator(input.dtype)
+    accumulator = accumulator_dtype(input.dtype)
     output, hy, cy = _lstm_layer(
         input.astype(accumulator),
         weight0.astype(accumulator),

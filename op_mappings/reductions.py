@@ -8,17 +8,10 @@ import math
 
 import jax
 import jax.numpy as jnp
-import torch
 from jax import lax
 
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
-
-
-_LOW_PRECISION = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def _is_integral(array):
-    return jnp.issubdtype(array.dtype, jnp.integer) or array.dtype == jnp.bool_
+from .common import accumulator_dtype, default_float, is_integral
 
 
 def _axes(self, dim):
@@ -30,15 +23,11 @@ def _axes(self, dim):
     return tuple(dim) if len(dim) else None
 
 
-def _accumulator(dtype):
-    return jnp.dtype(jnp.float32) if jnp.dtype(dtype) in _LOW_PRECISION else jnp.dtype(dtype)
-
-
 def _widened(self, dtype):
     """The result dtype of sum/prod/cumsum: an explicit dtype, else int64 for integers and bools."""
     if dtype is not None:
         return jnp_dtype(dtype)
-    return jnp.dtype(jnp.int64) if _is_integral(self) else self.dtype
+    return jnp.dtype(jnp.int64) if is_integral(self) else self.dtype
 
 
 # ---------------------------------------------------------------- sums and products
@@ -47,34 +36,34 @@ def _widened(self, dtype):
 @register_mapping(aten.sum.default, aten.sum.dim_IntList)
 def sum_reduction(self, dim=None, keepdim=False, *, dtype=None):
     result = _widened(self, dtype)
-    total = jnp.sum(self, axis=_axes(self, dim), keepdims=keepdim, dtype=_accumulator(result))
+    total = jnp.sum(self, axis=_axes(self, dim), keepdims=keepdim, dtype=accumulator_dtype(result))
     return total.astype(result)
 
 
 @register_mapping(aten.nansum.default)
 def nansum(self, dim=None, keepdim=False, *, dtype=None):
     result = _widened(self, dtype)
-    total = jnp.nansum(self, axis=_axes(self, dim), keepdims=keepdim, dtype=_accumulator(result))
+    total = jnp.nansum(self, axis=_axes(self, dim), keepdims=keepdim, dtype=accumulator_dtype(result))
     return total.astype(result)
 
 
 @register_mapping(aten.prod.default, aten.prod.dim_int)
 def prod_reduction(self, dim=None, keepdim=False, *, dtype=None):
     result = _widened(self, dtype)
-    total = jnp.prod(self, axis=_axes(self, dim), keepdims=keepdim, dtype=_accumulator(result))
+    total = jnp.prod(self, axis=_axes(self, dim), keepdims=keepdim, dtype=accumulator_dtype(result))
     return total.astype(result)
 
 
 @register_mapping(aten.mean.default, aten.mean.dim)
 def mean(self, dim=None, keepdim=False, *, dtype=None):
     result = jnp_dtype(dtype, self.dtype)
-    average = jnp.mean(self.astype(_accumulator(result)), axis=_axes(self, dim), keepdims=keepdim)
+    average = jnp.mean(self.astype(accumulator_dtype(result)), axis=_axes(self, dim), keepdims=keepdim)
     return average.astype(result)
 
 
 def _scan(function, self, dim, dtype):
     result = _widened(self, dtype)
-    values = self.astype(_accumulator(result))
+    values = self.astype(accumulator_dtype(result))
     if self.ndim == 0:
         return values.astype(result)
     # Accumulate in float32 for low precision, rounding each partial result once, as torch's kernels do.
@@ -94,7 +83,7 @@ def cumprod(self, dim, *, dtype=None):
 @register_mapping(aten.logcumsumexp.default)
 def logcumsumexp(self, dim):
     # torch's CPU kernel accumulates float32 in float64 (acc_type), and its backward is built on it.
-    accumulator = jnp.float64 if self.dtype == jnp.float32 else _accumulator(self.dtype)
+    accumulator = jnp.float64 if self.dtype == jnp.float32 else accumulator_dtype(self.dtype)
     values = self.astype(accumulator)
     if self.ndim == 0:
         return self
@@ -126,8 +115,8 @@ def _complex_logcumsumexp(self, dim):
 
 @register_mapping(aten.logsumexp.default)
 def logsumexp(self, dim, keepdim=False):
-    result = jnp.dtype(jnp_dtype(torch.get_default_dtype())) if _is_integral(self) else self.dtype
-    values = self.astype(_accumulator(result))
+    result = default_float() if is_integral(self) else self.dtype
+    values = self.astype(accumulator_dtype(result))
     return jax.nn.logsumexp(values, axis=_axes(self, dim), keepdims=keepdim).astype(result)
 
 
@@ -241,7 +230,7 @@ def count_nonzero(self, dim=None):
 
 
 def _variance_and_mean(self, dim, correction, keepdim):
-    values = self.astype(_accumulator(self.dtype))
+    values = self.astype(accumulator_dtype(self.dtype))
     axes = _axes(self, dim)
     count = math.prod(self.shape[axis] for axis in axes) if axes is not None else self.size
     average = jnp.mean(values, axis=axes, keepdims=True)
@@ -318,7 +307,7 @@ def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
     if dtype is not None:
         self = self.astype(jnp_dtype(dtype))
     result = jnp.real(jnp.zeros((), dtype=self.dtype)).dtype
-    values = self.astype(_accumulator(self.dtype))
+    values = self.astype(accumulator_dtype(self.dtype))
     return _vector_norm(values, ord, _axes(self, dim), keepdim).astype(result)
 
 
@@ -572,7 +561,7 @@ def _count_bins(positions, bins, weights, dtype):
 @register_mapping(aten.histc.default)
 def histc(self, bins=100, min=0, max=0):
     values = self.reshape(-1)
-    compute = _accumulator(self.dtype)
+    compute = accumulator_dtype(self.dtype)
     low, high = _outer_edges(values.astype(compute), min, max, 1)
     # torch's kernel computes in the input's dtype: bfloat16/float16 round after every step.
     edges = _torch_linspace(low, high, bins + 1, self.dtype).astype(compute)
@@ -606,7 +595,6 @@ def _histogramdd(self, bins, range, weight, density):
             hist = hist / (dim_edges[1:] - dim_edges[:-1]).reshape(shape)
         hist = hist / total
     return edges, hist
-
 
 
 @register_mapping(aten.histogram.bin_ct)
@@ -672,7 +660,6 @@ def bincount(self, weights=None, minlength=0):
     return jnp.zeros((size,), dtype).at[self].add(weights.astype(dtype))
 
 
-
 # ---------------------------------------------------------------- index_reduce
 
 
@@ -688,7 +675,7 @@ def index_reduce(self, dim, index, source, reduce, *, include_self=True):
     values = jnp.moveaxis(source, dim, 0)
     index = index.reshape(-1)
     touched = jnp.zeros(target.shape[0], bool).at[index].set(True).reshape((-1,) + (1,) * (target.ndim - 1))
-    integral = _is_integral(self)
+    integral = is_integral(self)
     if reduce == "prod":
         start = target if include_self else jnp.where(touched, jnp.ones((), self.dtype), target)
         result = start.at[index].multiply(values)

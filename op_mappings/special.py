@@ -11,11 +11,11 @@ import math
 import jax
 import jax.numpy as jnp
 import jax.scipy.special as jax_special
-import torch
 from jax import lax
 
 from bridge.runtime.dtypes import INT_TO_FLOAT, is_lifted_float
-from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
+from bridge.runtime.registry import aten, register_mapping, use_torch_gradient
+from .common import default_float, is_integral
 
 
 def _horner(x, coefficients):
@@ -167,8 +167,8 @@ def polygamma(n, self):
 def angle(self):
     if jnp.iscomplexobj(self):
         return jnp.angle(self)
-    if jnp.issubdtype(self.dtype, jnp.integer) or self.dtype == jnp.bool_:
-        self = self.astype(jnp_dtype(torch.get_default_dtype()))
+    if is_integral(self):
+        self = self.astype(default_float())
     # torch: pi for negative numbers, 0 otherwise, NaN kept.
     return jnp.where(jnp.isnan(self), self, jnp.where(self < 0, jnp.asarray(math.pi, self.dtype), jnp.zeros_like(self)))
 
