@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from bridge.runtime.dtypes import DEFAULT, INT_TO_FLOAT, NO_OPMATH
-from bridge.runtime.registry import MAPPINGS, aten, differentiate_as_torch, register_mapping, use_torch_gradient
+from bridge.runtime.registry import MAPPINGS, Vjp, aten, register_mapping
 
 
 # Scalar parameters (slopes, thresholds) never take part in promotion: torch keeps the input's dtype.
@@ -18,12 +18,14 @@ GRAD_AND_OUTPUT = ("grad_output", "output")
 # ---------------------------------------------------------------- rectifiers and thresholds
 
 
-@register_mapping(aten.relu.default, promote=NO_OPMATH, operands=SELF)
+# Subgradients at 0 and at the bounds: torch's (relu and threshold give 0 at the threshold,
+# hardtanh passes the gradient at both bounds), not JAX's.
+@register_mapping(aten.relu.default, promote=NO_OPMATH, operands=SELF, gradient="torch")
 def relu(self):
     return jnp.maximum(self, jnp.zeros((), dtype=self.dtype))
 
 
-@register_mapping(aten.threshold.default, promote=DEFAULT, operands=SELF)
+@register_mapping(aten.threshold.default, promote=DEFAULT, operands=SELF, gradient="torch")
 def threshold(self, threshold, value):
     return jnp.where(self <= threshold, jnp.asarray(value).astype(self.dtype), self)
 
@@ -33,7 +35,7 @@ def threshold_backward(grad_output, self, threshold):
     return jnp.where(self <= threshold, jnp.zeros((), dtype=grad_output.dtype), grad_output)
 
 
-@register_mapping(aten.hardtanh.default, promote=NO_OPMATH, operands=SELF)
+@register_mapping(aten.hardtanh.default, promote=NO_OPMATH, operands=SELF, gradient="torch")
 def hardtanh(self, min_val=-1, max_val=1):
     return jnp.minimum(jnp.maximum(self, min_val), max_val)
 
@@ -96,7 +98,22 @@ _SQRT_2_OVER_PI = math.sqrt(2 / math.pi)
 _INVERSE_SQRT_2PI = 1 / math.sqrt(2 * math.pi)
 
 
-@register_mapping(aten.gelu.default, promote=INT_TO_FLOAT, operands=SELF)
+# In captured regions the gradients of GELU and SiLU keep only their input, as torch's do
+# (JAX differentiating the tanh GELU keeps four tensors of its size).
+def _save_input(args, kwargs, out):
+    return (args[0],)
+
+
+def _gelu_pullback(saved, grad, args, kwargs):
+    approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
+    return (MAPPINGS[aten.gelu_backward.default].call(grad, saved[0], approximate=approximate),)
+
+
+def _silu_pullback(saved, grad, args, kwargs):
+    return (MAPPINGS[aten.silu_backward.default].call(grad, saved[0]),)
+
+
+@register_mapping(aten.gelu.default, promote=INT_TO_FLOAT, operands=SELF, gradient=Vjp(_save_input, _gelu_pullback))
 def gelu(self, *, approximate="none"):
     if approximate == "tanh":
         inner = _SQRT_2_OVER_PI * (self + 0.044715 * self * self * self)
@@ -118,28 +135,9 @@ def gelu_backward(grad_output, self, *, approximate="none"):
     return grad_output * (cdf + self * pdf)
 
 
-@register_mapping(aten.silu.default, promote=INT_TO_FLOAT, operands=SELF)
+@register_mapping(aten.silu.default, promote=INT_TO_FLOAT, operands=SELF, gradient=Vjp(_save_input, _silu_pullback))
 def silu(self):
     return self * jax.nn.sigmoid(self)
-
-
-# In captured regions the gradients of GELU and SiLU keep only their input, as torch's do
-# (JAX differentiating the tanh GELU keeps four tensors of its size).
-def _save_input(args, kwargs, out):
-    return (args[0],)
-
-
-def _gelu_pullback(saved, grad, args, kwargs):
-    approximate = kwargs.get("approximate", args[1] if len(args) > 1 else "none")
-    return (MAPPINGS[aten.gelu_backward.default].call(grad, saved[0], approximate=approximate),)
-
-
-def _silu_pullback(saved, grad, args, kwargs):
-    return (MAPPINGS[aten.silu_backward.default].call(grad, saved[0]),)
-
-
-differentiate_as_torch(aten.gelu.default, _save_input, _gelu_pullback)
-differentiate_as_torch(aten.silu.default, _save_input, _silu_pullback)
 
 
 @register_mapping(aten.silu_backward.default, promote=INT_TO_FLOAT, operands=GRAD_AND_SELF)
@@ -248,7 +246,9 @@ def hardsigmoid_backward(grad_output, self):
     return jnp.where(inside, grad_output / 6, jnp.zeros((), dtype=grad_output.dtype))
 
 
-@register_mapping(aten.log_sigmoid_forward.default)
+# log(sigmoid(x)) for large |x|: JAX's derivative of the stable form loses what torch's formula
+# (from the saved buffer) keeps.
+@register_mapping(aten.log_sigmoid_forward.default, gradient="torch")
 def log_sigmoid_forward(self):
     compute = jnp.float32 if self.dtype in (jnp.bfloat16, jnp.float16) else self.dtype
     values = self.astype(compute)
@@ -294,9 +294,3 @@ def rrelu_with_noise(self, noise, lower=0.125, upper=1.0 / 3.0, training=False, 
     out = jnp.where(negative, self.astype(sampling) * slopes, self.astype(sampling)).astype(self.dtype)
     return out, {"noise": slopes.astype(noise.dtype)}
 
-# Subgradients at 0 and at the bounds: torch's (relu and threshold give 0 at the threshold,
-# hardtanh passes the gradient at both bounds), not JAX's.
-use_torch_gradient(aten.relu, aten.threshold, aten.hardtanh)
-# log(sigmoid(x)) for large |x|: JAX's derivative of the stable form loses what torch's formula
-# (from the saved buffer) keeps.
-use_torch_gradient(aten.log_sigmoid_forward)

@@ -13,7 +13,7 @@ import numpy as np
 from jax import lax
 
 from bridge.op_mappings import flash_attention
-from bridge.runtime import config
+from bridge.runtime import config, precision
 from bridge.runtime.registry import aten, register_mapping
 from .common import LOW_PRECISION, accumulator_dtype
 
@@ -34,15 +34,15 @@ def _attention(query, key, value, is_causal, attn_mask, scale, plain=False):
         key = jnp.repeat(key, query_heads // key_heads, axis=-3)
         value = jnp.repeat(value, query_heads // key_heads, axis=-3)
     if _fused_float32(query, key, value, attn_mask):
-        return flash_attention.flash_attention(query, key, value, is_causal, scale, config.matmul_precision())
+        return flash_attention.flash_attention(query, key, value, is_causal, scale, precision.matmul_precision())
     if plain:
-        out, logsumexp = _full_attention_forward(query, key, value, attn_mask, is_causal, scale, config.matmul_precision())[0]
+        out, logsumexp = _full_attention_forward(query, key, value, attn_mask, is_causal, scale, precision.matmul_precision())[0]
         return out.astype(query.dtype), logsumexp
     block = _causal_block(query, key, is_causal, attn_mask)
     if block:
-        out, logsumexp = _blocked_causal(query, key, value, scale, block, config.matmul_precision())
+        out, logsumexp = _blocked_causal(query, key, value, scale, block, precision.matmul_precision())
         return out.astype(query.dtype), logsumexp
-    out, logsumexp = _full_attention(query, key, value, attn_mask, is_causal, scale, config.matmul_precision())
+    out, logsumexp = _full_attention(query, key, value, attn_mask, is_causal, scale, precision.matmul_precision())
     return out.astype(query.dtype), logsumexp
 
 
@@ -308,7 +308,7 @@ def _pulled_back(function, arrays):
     return pullback(out)
 
 
-@register_mapping(aten._scaled_dot_product_flash_attention_for_cpu.default)
+@register_mapping(aten._scaled_dot_product_flash_attention_for_cpu.default, reads=("precision",))
 def scaled_dot_product_flash_attention_for_cpu(
     query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None, scale=None
 ):
@@ -321,7 +321,7 @@ def scaled_dot_product_flash_attention_for_cpu(
     return (out if fused is None else fused), logsumexp
 
 
-@register_mapping(aten._scaled_dot_product_flash_attention_for_cpu_backward.default)
+@register_mapping(aten._scaled_dot_product_flash_attention_for_cpu_backward.default, reads=("precision",))
 def scaled_dot_product_flash_attention_for_cpu_backward(
     grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *, attn_mask=None, scale=None
 ):

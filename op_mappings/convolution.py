@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bridge.runtime import config
+from bridge.runtime import precision
 from bridge.runtime.registry import aten, register_mapping
 from .common import accumulator_dtype, compiled, expand_ints, linear_backward
 
@@ -58,12 +58,12 @@ def _convolve(input, weight, bias, stride, padding, dilation, transposed, output
             rhs_dilation=dilation,
             dimension_numbers=_dimension_numbers(spatial),
             feature_group_count=groups,
-            precision=config.conv_precision(),
+            precision=precision.conv_precision(),
             preferred_element_type=accumulator,
         )
     else:
         numbers = _dimension_numbers(spatial)
-        if channels_last:  # config.conv_channels_last: NHWC out, NCHW after the transpose below
+        if channels_last:  # precision.conv_channels_last: NHWC out, NCHW after the transpose below
             numbers = numbers[:2] + ("NHWC",)
         out = lax.conv_general_dilated(
             input,
@@ -73,7 +73,7 @@ def _convolve(input, weight, bias, stride, padding, dilation, transposed, output
             rhs_dilation=dilation,
             dimension_numbers=numbers,
             feature_group_count=groups,
-            precision=config.conv_precision(),
+            precision=precision.conv_precision(),
             preferred_element_type=accumulator,
         )
         if channels_last:
@@ -85,15 +85,15 @@ def _convolve(input, weight, bias, stride, padding, dilation, transposed, output
     return out.astype(input.dtype)
 
 
-@register_mapping(aten.convolution.default)
+@register_mapping(aten.convolution.default, reads=("precision",))
 def convolution(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
-    channels_last = input.ndim == 4 and not transposed and config.conv_channels_last()
+    channels_last = input.ndim == 4 and not transposed and precision.conv_channels_last()
     return _convolve(
         input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, channels_last=channels_last
     )
 
 
-@register_mapping(aten.convolution_backward.default)
+@register_mapping(aten.convolution_backward.default, reads=("precision",))
 def convolution_backward(
     grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed, output_padding, groups, output_mask
 ):

@@ -9,8 +9,8 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from bridge.runtime import config
-from bridge.runtime.registry import aten, register_mapping, use_torch_gradient
+from bridge.runtime import precision
+from bridge.runtime.registry import aten, register_mapping
 from .common import accumulator_dtype
 
 
@@ -75,11 +75,13 @@ def _euclidean_by_matmul(x1, x2):
     x2_norm = jnp.sum(x2 * x2, axis=-1, keepdims=True)
     left = jnp.concatenate([x1 * -2, x1_norm, jnp.ones_like(x1_norm)], axis=-1)
     right = jnp.concatenate([x2, jnp.ones_like(x2_norm), x2_norm], axis=-1)
-    products = jnp.matmul(left, jnp.swapaxes(right, -1, -2), precision=config.matmul_precision())
+    products = jnp.matmul(left, jnp.swapaxes(right, -1, -2), precision=precision.matmul_precision())
     return jnp.sqrt(jnp.maximum(products, 0))
 
 
-@register_mapping(aten._cdist_forward.default)
+# Zero distances (equal rows, as at special points) have gradient 0 in torch (NaN or 4x off by
+# JAX's rule of the norm).
+@register_mapping(aten._cdist_forward.default, gradient="torch", reads=("precision",))
 def cdist_forward(x1, x2, p, compute_mode):
     dtype = jnp.result_type(x1, x2)
     accumulator = accumulator_dtype(dtype)
@@ -129,6 +131,3 @@ def pdist_backward(grad, self, p, pdist):
     out = out.at[rows].add(per_pair).at[cols].add(-per_pair)
     return out.astype(self.dtype)
 
-# Zero distances (equal rows, as at special points) have gradient 0 in torch (NaN or 4x off by
-# JAX's rule of the norm).
-use_torch_gradient(aten._cdist_forward)

@@ -9,7 +9,7 @@ from jax import lax
 
 from bridge.runtime import registry, versions
 from bridge.runtime.dtypes import ALWAYS_BOOL, BOOL_TO_LONG, COMPLEX_TO_FLOAT, DEFAULT, INT_TO_FLOAT, NO_OPMATH
-from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 from .common import is_integral
 
 
@@ -165,7 +165,9 @@ def positive(self):
     return self
 
 
-@register_mapping(aten.abs.default, promote=COMPLEX_TO_FLOAT)
+# abs at 0 gives 0, clamp passes the gradient at its bounds, as in torch (JAX's clip halves it
+# there, and its masks multiply, so an infinite gradient beyond a bound becomes NaN).
+@register_mapping(aten.abs.default, promote=COMPLEX_TO_FLOAT, gradient="torch")
 def abs(self):
     if self.dtype == jnp.bool_:
         return self
@@ -336,7 +338,10 @@ def fmin(self, other):
 
 
 # Optional bounds are named explicitly: they take part in promotion (an int tensor clamped to 0.5 is float).
-@register_mapping(aten.clamp.default, aten.clamp.Tensor, promote=NO_OPMATH, operands=("self", "min", "max"))
+@register_mapping(
+    aten.clamp.default, aten.clamp.Tensor, promote=NO_OPMATH, operands=("self", "min", "max"),
+    gradient="torch",
+)
 def clamp(self, min=None, max=None):
     # torch applies min first, then max, so max wins where min > max.
     if min is not None:
@@ -346,12 +351,12 @@ def clamp(self, min=None, max=None):
     return self
 
 
-@register_mapping(aten.clamp_min.default, aten.clamp_min.Tensor, promote=NO_OPMATH)
+@register_mapping(aten.clamp_min.default, aten.clamp_min.Tensor, promote=NO_OPMATH, gradient="torch")
 def clamp_min(self, min):
     return jnp.maximum(self, min)
 
 
-@register_mapping(aten.clamp_max.default, aten.clamp_max.Tensor, promote=NO_OPMATH)
+@register_mapping(aten.clamp_max.default, aten.clamp_max.Tensor, promote=NO_OPMATH, gradient="torch")
 def clamp_max(self, max):
     return jnp.minimum(self, max)
 
@@ -486,7 +491,7 @@ def _convert(value, dtype):
     return value.astype(dtype)
 
 
-@register_mapping(aten._to_copy.default)
+@register_mapping(aten._to_copy.default, host_tensors=True)
 def to_copy(self, *, dtype=None, layout=None, device=None, pin_memory=None, non_blocking=False, memory_format=None):
     # jax arrays are immutable, so a copy to the same dtype is the array itself.
     if dtype is None:
@@ -499,7 +504,7 @@ def clone(self, *, memory_format=None):
     return self
 
 
-@register_mapping(aten.copy.default)
+@register_mapping(aten.copy.default, host_tensors=True)
 def copy(self, src, non_blocking=False):
     return jnp.broadcast_to(_convert(src, self.dtype), self.shape)
 
@@ -542,6 +547,3 @@ def conj(self):
 def resolve(self):
     return self
 
-# abs at 0 gives 0, clamp passes the gradient at its bounds, as in torch (JAX's clip halves it
-# there, and its masks multiply, so an infinite gradient beyond a bound becomes NaN).
-use_torch_gradient(aten.abs, aten.clamp, aten.clamp_min, aten.clamp_max)

@@ -211,7 +211,7 @@ def triu_indices(row, col, offset=0, *, dtype=torch.int64, layout=None, device=N
 # ---------------------------------------------------------------- values from and to the host
 
 
-@register_mapping(aten.lift_fresh.default, aten.lift_fresh_copy.default, identity_view=True)
+@register_mapping(aten.lift_fresh.default, aten.lift_fresh_copy.default, identity_view=True, host_tensors=True)
 def lift_fresh(self):
     return self
 

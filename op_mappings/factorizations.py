@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 import jax.scipy.linalg
 
-from bridge.runtime.registry import aten, register_mapping, use_torch_gradient
+from bridge.runtime.registry import aten, register_mapping
 
 
 # ---------------------------------------------------------------- helpers
@@ -381,7 +381,9 @@ def linalg_pinv(self, *, atol=None, rtol=None, hermitian=False):
     return _mH(Vh) @ (inverted[..., :, None] * _mH(U))
 
 
-@register_mapping(aten.linalg_lstsq.default)
+# lstsq's gradient as torch's formula computes it (JAX's derivative of the mapping's
+# factorization differed by 1.3e-4 in float32).
+@register_mapping(aten.linalg_lstsq.default, gradient="torch")
 def linalg_lstsq(self, b, rcond=None, *, driver=None):
     # The minimum-norm least-squares solution through the SVD; torch's CPU drivers (gelsy by
     # default) give the same solution, rank and singular values.
@@ -645,6 +647,3 @@ def linalg_ldl_solve(LD, pivots, B, *, hermitian=False):
     result = _over_batch(lambda ld, p, b: _ldl_solve(ld, p[:, 0], b, hermitian), LD, pivots[..., None], B)
     return B if result is None else result[0]
 
-# lstsq's gradient as torch's formula computes it (JAX's derivative of the mapping's
-# factorization differed by 1.3e-4 in float32).
-use_torch_gradient(aten.linalg_lstsq)

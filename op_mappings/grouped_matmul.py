@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bridge.runtime import config
+from bridge.runtime.precision import matmul_precision
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping, register_named_mapping
 from .common import LOW_PRECISION, accumulator_dtype
 
@@ -58,12 +58,12 @@ def _group_sizes(offs):
     return jnp.diff(offs, prepend=jnp.zeros((1,), offs.dtype))
 
 
-@register_mapping(aten._grouped_mm.default, meta="stricter")
+@register_mapping(aten._grouped_mm.default, meta="stricter", reads=("precision",))
 def grouped_mm(self, mat2, offs=None, bias=None, out_dtype=None):
     out_dtype = jnp_dtype(out_dtype)
     _check(self, mat2, offs, bias, out_dtype)
     out_dtype = self.dtype if out_dtype is None else out_dtype
-    precision = config.matmul_precision()
+    precision = matmul_precision()
     accumulate = accumulator_dtype(self.dtype)
     if self.ndim == 3 and mat2.ndim == 3:
         out = jnp.einsum("gmk,gkn->gmn", self, mat2, precision=precision, preferred_element_type=accumulate)

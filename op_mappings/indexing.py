@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from bridge.runtime.dtypes import is_lifted_float
-from bridge.runtime.registry import aten, register_mapping, use_torch_gradient
+from bridge.runtime.registry import aten, register_mapping
 
 from .shapes import wrap_dim
 
@@ -64,7 +64,10 @@ def _index_key(indices):
     return tuple(key)
 
 
-@register_mapping(aten.index.Tensor, aten.index.Tensor_hacked_twin, aten._unsafe_index.Tensor, aten._unsafe_index.Tensor_hacked_twin)
+@register_mapping(
+    aten.index.Tensor, aten.index.Tensor_hacked_twin, aten._unsafe_index.Tensor, aten._unsafe_index.Tensor_hacked_twin,
+    host_tensors=True,
+)
 def index(self, indices):
     return self[_index_key(indices)]
 
@@ -93,7 +96,10 @@ def _single_mask_position(indices, values, ndim):
     return None
 
 
-@register_mapping(aten.index_put.default, aten.index_put.hacked_twin, aten._unsafe_index_put.default, aten._unsafe_index_put.hacked_twin)
+@register_mapping(
+    aten.index_put.default, aten.index_put.hacked_twin, aten._unsafe_index_put.default, aten._unsafe_index_put.hacked_twin,
+    host_tensors=True,
+)
 def index_put(self, indices, values, accumulate=False):
     if accumulate and self.dtype == jnp.bool_:
         return _as_logical_or(index_put)(self, indices, values, accumulate)
@@ -388,7 +394,8 @@ def masked_select(self, mask):
 # ---------------------------------------------------------------- embedding
 
 
-@register_mapping(aten.embedding.default)
+# padding_idx rows get no gradient and scale_grad_by_freq divides by each index's count.
+@register_mapping(aten.embedding.default, gradient="torch")
 def embedding(weight, indices, padding_idx=-1, scale_grad_by_freq=False, sparse=False):
     return jnp.take(weight, indices, axis=0)
 
@@ -688,9 +695,6 @@ def unique_consecutive(self, return_inverse=False, return_counts=False, dim=None
         inverse if return_inverse else _empty_indices(),
         counts if return_counts else _empty_indices(),
     )
-
-# padding_idx rows get no gradient and scale_grad_by_freq divides by each index's count.
-use_torch_gradient(aten.embedding)
 
 
 @register_mapping(aten.one_hot.default)

@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bridge.runtime import config
+from bridge.runtime import config, precision
 from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 from .common import LOW_PRECISION, accumulator_dtype
 
@@ -21,12 +21,12 @@ def _product(subscripts, left, right, out_dtype=None):
     """einsum in the accumulation dtype of the operands, rounded to `out_dtype` (default: the operands')."""
     out_dtype = left.dtype if out_dtype is None else out_dtype
     if config.settings.tracing and left.dtype in LOW_PRECISION and left.dtype == right.dtype:
-        return _half_einsum(subscripts, left, right, config.matmul_precision(), jnp.dtype(out_dtype))
+        return _half_einsum(subscripts, left, right, precision.matmul_precision(), jnp.dtype(out_dtype))
     product = jnp.einsum(
         subscripts,
         left,
         right,
-        precision=config.matmul_precision(),
+        precision=precision.matmul_precision(),
         preferred_element_type=accumulator_dtype(left.dtype),
     )
     return product.astype(out_dtype)
@@ -76,37 +76,37 @@ def _fused_add(self, product, beta, alpha, out_dtype):
 # --- plain products ---
 
 
-@register_mapping(aten.mm.default)
+@register_mapping(aten.mm.default, reads=("precision",))
 def mm(self, mat2):
     return _product("ij,jk->ik", self, mat2)
 
 
-@register_mapping(aten.mm.dtype)
+@register_mapping(aten.mm.dtype, reads=("precision",))
 def mm_dtype(self, mat2, out_dtype):
     return _product("ij,jk->ik", self, mat2, jnp_dtype(out_dtype))
 
 
-@register_mapping(aten.bmm.default)
+@register_mapping(aten.bmm.default, reads=("precision",))
 def bmm(self, mat2):
     return _product("bij,bjk->bik", self, mat2)
 
 
-@register_mapping(aten.bmm.dtype)
+@register_mapping(aten.bmm.dtype, reads=("precision",))
 def bmm_dtype(self, mat2, out_dtype):
     return _product("bij,bjk->bik", self, mat2, jnp_dtype(out_dtype))
 
 
-@register_mapping(aten.mv.default)
+@register_mapping(aten.mv.default, reads=("precision",))
 def mv(self, vec):
     return _product("ij,j->i", self, vec)
 
 
-@register_mapping(aten.dot.default)
+@register_mapping(aten.dot.default, reads=("precision",))
 def dot(self, tensor):
     return _product("i,i->", self, tensor)
 
 
-@register_mapping(aten.vdot.default)
+@register_mapping(aten.vdot.default, reads=("precision",))
 def vdot(self, other):
     return _product("i,i->", jnp.conj(self), other)
 
@@ -121,19 +121,19 @@ def outer(self, vec2):
 
 def _addmm(self, mat1, mat2, beta, alpha, out_dtype):
     if config.settings.tracing and mat1.dtype in LOW_PRECISION and mat1.dtype == mat2.dtype:
-        return _fused_add(self, _half_einsum("ij,jk->ik", mat1, mat2, config.matmul_precision(), _FLOAT32), beta, alpha, out_dtype)
+        return _fused_add(self, _half_einsum("ij,jk->ik", mat1, mat2, precision.matmul_precision(), _FLOAT32), beta, alpha, out_dtype)
     product = jnp.einsum(
-        "ij,jk->ik", mat1, mat2, precision=config.matmul_precision(), preferred_element_type=accumulator_dtype(mat1.dtype)
+        "ij,jk->ik", mat1, mat2, precision=precision.matmul_precision(), preferred_element_type=accumulator_dtype(mat1.dtype)
     )
     return _fused_add(self, product, beta, alpha, out_dtype)
 
 
-@register_mapping(aten.addmm.default)
+@register_mapping(aten.addmm.default, reads=("precision",))
 def addmm(self, mat1, mat2, *, beta=1, alpha=1):
     return _addmm(self, mat1, mat2, beta, alpha, mat1.dtype)
 
 
-@register_mapping(aten.addmm.dtype)
+@register_mapping(aten.addmm.dtype, reads=("precision",))
 def addmm_dtype(self, mat1, mat2, out_dtype, *, beta=1, alpha=1):
     return _addmm(self, mat1, mat2, beta, alpha, jnp_dtype(out_dtype))
 
@@ -143,39 +143,39 @@ def _baddbmm(self, batch1, batch2, beta, alpha, out_dtype):
         "bij,bjk->bik",
         batch1,
         batch2,
-        precision=config.matmul_precision(),
+        precision=precision.matmul_precision(),
         preferred_element_type=accumulator_dtype(batch1.dtype),
     )
     return _fused_add(self, product, beta, alpha, out_dtype)
 
 
-@register_mapping(aten.baddbmm.default)
+@register_mapping(aten.baddbmm.default, reads=("precision",))
 def baddbmm(self, batch1, batch2, *, beta=1, alpha=1):
     return _baddbmm(self, batch1, batch2, beta, alpha, batch1.dtype)
 
 
-@register_mapping(aten.baddbmm.dtype)
+@register_mapping(aten.baddbmm.dtype, reads=("precision",))
 def baddbmm_dtype(self, batch1, batch2, out_dtype, *, beta=1, alpha=1):
     return _baddbmm(self, batch1, batch2, beta, alpha, jnp_dtype(out_dtype))
 
 
-@register_mapping(aten.addbmm.default)
+@register_mapping(aten.addbmm.default, reads=("precision",))
 def addbmm(self, batch1, batch2, *, beta=1, alpha=1):
     # The batch sum is part of the contraction, so it accumulates at full width too.
     product = jnp.einsum(
         "bij,bjk->ik",
         batch1,
         batch2,
-        precision=config.matmul_precision(),
+        precision=precision.matmul_precision(),
         preferred_element_type=accumulator_dtype(batch1.dtype),
     )
     return _fused_add(self, product, beta, alpha, batch1.dtype)
 
 
-@register_mapping(aten.addmv.default)
+@register_mapping(aten.addmv.default, reads=("precision",))
 def addmv(self, mat, vec, *, beta=1, alpha=1):
     product = jnp.einsum(
-        "ij,j->i", mat, vec, precision=config.matmul_precision(), preferred_element_type=accumulator_dtype(mat.dtype)
+        "ij,j->i", mat, vec, precision=precision.matmul_precision(), preferred_element_type=accumulator_dtype(mat.dtype)
     )
     return _fused_add(self, product, beta, alpha, mat.dtype)
 
@@ -183,7 +183,7 @@ def addmv(self, mat, vec, *, beta=1, alpha=1):
 # ---------------------------------------------------------------- _trilinear (F.bilinear, nn.Bilinear)
 
 
-@register_mapping(aten._trilinear.default)
+@register_mapping(aten._trilinear.default, reads=("precision",))
 def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
     """sum over `sumdim` of i1 * i2 * i3, each first unsqueezed at its `expand` dims.
 
@@ -215,7 +215,7 @@ def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
             text + "->" + "".join(letters[d] for d in keep),
             left,
             right,
-            precision=config.matmul_precision(),
+            precision=precision.matmul_precision(),
             preferred_element_type=accumulator,
         ).astype(dtype)
 

@@ -12,7 +12,7 @@ import torch
 from jax import lax
 
 from bridge.runtime import config, dtypes
-from bridge.runtime.registry import TolerantNamespace, aten, jnp_dtype, register_mapping, use_torch_gradient
+from bridge.runtime.registry import TolerantNamespace, aten, jnp_dtype, register_mapping
 from .common import accumulator_dtype
 
 _NONE, _MEAN, _SUM = 0, 1, 2
@@ -55,7 +55,9 @@ def log_softmax(self, dim, half_to_float):
     return out.astype(result)
 
 
-@register_mapping(aten._safe_softmax.default)
+# Rows masked entirely (-inf everywhere) have softmax 0 and gradient 0 in torch (NaN by JAX's
+# rule); CTC's gradient is torch's formula over its own alpha/beta tables.
+@register_mapping(aten._safe_softmax.default, gradient="torch")
 def safe_softmax(self, dim, dtype=None):
     """Softmax whose fully masked rows (all -inf) give zeros instead of NaN (attention's math path)."""
     result = jnp_dtype(dtype, self.dtype)
@@ -381,7 +383,7 @@ def _ctc_parts(log_probs, targets, input_lengths, target_lengths, blank):
     )
 
 
-@register_mapping(aten._ctc_loss.default)
+@register_mapping(aten._ctc_loss.default, gradient="torch")
 def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
     log_probs, extended, input_length, target_length, _ = _ctc_parts(log_probs, targets, input_lengths, target_lengths, blank)
     time, batch, _ = log_probs.shape
@@ -471,7 +473,7 @@ def ctc_loss_backward(grad, log_probs, targets, input_lengths, target_lengths, n
 
 # The lengths as tensors: log_alpha's shape depends on their values, so they are read on the host
 # (eager only, as for the other ops with data-dependent shapes).
-@register_mapping(aten._ctc_loss.Tensor)
+@register_mapping(aten._ctc_loss.Tensor, gradient="torch")
 def ctc_loss_tensor(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
     return ctc_loss(
         log_probs, targets, np.asarray(input_lengths).tolist(), np.asarray(target_lengths).tolist(), blank, zero_infinity
@@ -575,6 +577,3 @@ def linear_cross_entropy_batch_chunked_no_reduction(
     )
     return nll.astype(input.dtype)
 
-# Rows masked entirely (-inf everywhere) have softmax 0 and gradient 0 in torch (NaN by JAX's
-# rule); CTC's gradient is torch's formula over its own alpha/beta tables.
-use_torch_gradient(aten._safe_softmax, aten._ctc_loss)

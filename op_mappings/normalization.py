@@ -15,7 +15,7 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 
 from bridge.runtime import config
-from bridge.runtime.registry import MAPPINGS, aten, differentiate_as_torch, register_mapping
+from bridge.runtime.registry import MAPPINGS, Vjp, aten, register_mapping
 from .common import accumulator_dtype
 
 
@@ -240,7 +240,26 @@ def _trailing_axes(input, normalized_shape):
     return tuple(range(input.ndim - len(normalized_shape), input.ndim))
 
 
-@register_mapping(aten.native_layer_norm.default)
+# In captured regions layer norm's gradient keeps the input and the statistics, as torch's
+# does, instead of JAX's intermediate values (the centred and the normalized input).
+def _layer_norm_saved(args, kwargs, out):
+    input, _, weight, bias, _ = args
+    return input, weight, bias, out[1], out[2]
+
+
+def _layer_norm_pullback(saved, grads, args, kwargs):
+    input, weight, bias, mean, rstd = saved
+    normalized_shape = args[1]
+    mask = (True, weight is not None, bias is not None)
+    grad_input, grad_weight, grad_bias = MAPPINGS[aten.native_layer_norm_backward.default].call(
+        grads[0], input, normalized_shape, mean, rstd, weight, bias, mask
+    )
+    # One gradient per array argument: the weight and the bias only where they were given.
+    present = (True, weight is not None, bias is not None)
+    return tuple(grad for grad, given in zip((grad_input, grad_weight, grad_bias), present) if given)
+
+
+@register_mapping(aten.native_layer_norm.default, gradient=Vjp(_layer_norm_saved, _layer_norm_pullback))
 def native_layer_norm(input, normalized_shape, weight, bias, eps):
     return _layer_norm(input, tuple(normalized_shape), weight, bias, eps)
 
@@ -288,26 +307,6 @@ def _layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight, 
     return _masked((grad_input.astype(input.dtype), grad_weight, grad_bias), output_mask)
 
 
-# In captured regions layer norm's gradient keeps the input and the statistics, as torch's
-# does, instead of JAX's intermediate values (the centred and the normalized input).
-def _layer_norm_saved(args, kwargs, out):
-    input, _, weight, bias, _ = args
-    return input, weight, bias, out[1], out[2]
-
-
-def _layer_norm_pullback(saved, grads, args, kwargs):
-    input, weight, bias, mean, rstd = saved
-    normalized_shape = args[1]
-    mask = (True, weight is not None, bias is not None)
-    grad_input, grad_weight, grad_bias = MAPPINGS[aten.native_layer_norm_backward.default].call(
-        grads[0], input, normalized_shape, mean, rstd, weight, bias, mask
-    )
-    # One gradient per array argument: the weight and the bias only where they were given.
-    present = (True, weight is not None, bias is not None)
-    return tuple(grad for grad, given in zip((grad_input, grad_weight, grad_bias), present) if given)
-
-
-differentiate_as_torch(aten.native_layer_norm.default, _layer_norm_saved, _layer_norm_pullback)
 
 
 # ---------------------------------------------------------------- group norm

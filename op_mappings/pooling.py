@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from bridge.runtime.registry import aten, register_mapping, use_torch_gradient
+from bridge.runtime.registry import aten, register_mapping
 from .common import accumulator_dtype, compiled, expand_ints, linear_backward
 
 
@@ -355,18 +355,16 @@ def _max_unpool(self, indices, output_size):
     return out.reshape(batch + tuple(output_size))
 
 
-@register_mapping(aten.max_unpool2d.default)
+# Indices that repeat: torch's formula gathers the gradient at each index (JAX's transpose of the
+# scatter keeps only the last write's).
+@register_mapping(aten.max_unpool2d.default, gradient="torch")
 def max_unpool2d(self, indices, output_size):
     return _max_unpool(self, indices, tuple(output_size))
 
 
-@register_mapping(aten.max_unpool3d.default)
+@register_mapping(aten.max_unpool3d.default, gradient="torch")
 def max_unpool3d(self, indices, output_size, stride, padding):
     return _max_unpool(self, indices, tuple(output_size))
-
-# Indices that repeat: torch's formula gathers the gradient at each index (JAX's transpose of the
-# scatter keeps only the last write's).
-use_torch_gradient(aten.max_unpool2d, aten.max_unpool3d)
 
 
 # ---------------------------------------------------------------- fractional max pooling

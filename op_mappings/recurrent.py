@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bridge.runtime import config
+from bridge.runtime.precision import matmul_precision
 from bridge.runtime.registry import aten, register_mapping
 from .common import accumulator_dtype
 
@@ -37,7 +37,7 @@ def _combined_bias(weight0, weight2, weight3, has_biases, dtype):
 
 def _lstm_layer(input, weight_ih, weight_hh, bias, hx, cx, reverse):
     """One direction of one layer: input (T, B, I) time-major; returns output (T, B, H), hy, cy."""
-    precision = config.matmul_precision()
+    precision = matmul_precision()
     projected = jnp.einsum("tbi,gi->tbg", input, weight_ih, precision=precision) + bias
 
     def step(carry, projected_t):
@@ -67,7 +67,9 @@ def _forward(input, weight0, weight1, weight2, weight3, hx, cx, reverse, has_bia
     return output.astype(input.dtype), hy.astype(hx.dtype), cy.astype(cx.dtype)
 
 
-@register_mapping(aten.mkldnn_rnn_layer.default)
+# torch's LSTM composite on a CPU build (what a bridge tensor is to C++) runs oneDNN's layer with
+# host tensors it makes for the hidden state and packed weights.
+@register_mapping(aten.mkldnn_rnn_layer.default, reads=("precision",), host_tensors=True)
 def mkldnn_rnn_layer(
     input, weight0, weight1, weight2, weight3, hx_, cx_, reverse, batch_sizes, mode, hidden_size, num_layers,
     has_biases, bidirectional, batch_first, train,
@@ -103,7 +105,7 @@ def _backward(input, weight0, weight1, weight2, weight3, hx, cx, grad_output, gr
     return d_input, d_weight_ih, d_weight_hh, d_bias, d_bias, d_hx, d_cx
 
 
-@register_mapping(aten.mkldnn_rnn_layer_backward.default)
+@register_mapping(aten.mkldnn_rnn_layer_backward.default, reads=("precision",))
 def mkldnn_rnn_layer_backward(
     input, weight1, weight2, weight3, weight4, hx_, cx_tmp, output, hy_, cy_, grad_output, grad_hy, grad_cy,
     reverse, mode, hidden_size, num_layers, has_biases, train, bidirectional, batch_sizes, batch_first, workspace,

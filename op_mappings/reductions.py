@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 from .common import accumulator_dtype, default_float, is_integral
 
 
@@ -302,7 +302,8 @@ def _vector_norm(self, ord, axes, keepdim):
     return jnp.power(jnp.sum(jnp.power(magnitude, ord), axis=axes, keepdims=keepdim), 1.0 / ord)
 
 
-@register_mapping(aten.linalg_vector_norm.default)
+# The norm of a zero vector has gradient 0 in torch (NaN by JAX's quotient rule).
+@register_mapping(aten.linalg_vector_norm.default, gradient="torch")
 def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
     if dtype is not None:
         self = self.astype(jnp_dtype(dtype))
@@ -311,12 +312,12 @@ def linalg_vector_norm(self, ord=2, dim=None, keepdim=False, *, dtype=None):
     return _vector_norm(values, ord, _axes(self, dim), keepdim).astype(result)
 
 
-@register_mapping(aten.norm.Scalar, aten.norm.ScalarOpt_dtype)
+@register_mapping(aten.norm.Scalar, aten.norm.ScalarOpt_dtype, gradient="torch")
 def norm(self, p=2, *, dtype=None):
     return linalg_vector_norm(self, 2 if p is None else p, None, False, dtype=dtype)
 
 
-@register_mapping(aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype)
+@register_mapping(aten.norm.ScalarOpt_dim, aten.norm.ScalarOpt_dim_dtype, gradient="torch")
 def norm_dim(self, p, dim, keepdim=False, *, dtype=None):
     return linalg_vector_norm(self, 2 if p is None else p, dim, keepdim, dtype=dtype)
 
@@ -760,5 +761,3 @@ def segment_reduce_backward(grad, output, data, reduce, *, lengths=None, offsets
     _, pullback = jax.vjp(lambda values: _segment_reduce(values, reduce, lengths, offsets, axis, initial), data)
     return pullback(grad.astype(data.dtype))[0]
 
-# The norm of a zero vector has gradient 0 in torch (NaN by JAX's quotient rule).
-use_torch_gradient(aten.linalg_vector_norm, aten.norm)

@@ -12,8 +12,7 @@ import numpy as np
 from jax import lax
 
 from bridge.runtime import dtypes
-from bridge.runtime.registry import aten, jnp_dtype, register_mapping, use_torch_gradient
-
+from bridge.runtime.registry import aten, jnp_dtype, register_mapping
 
 
 def wrap_dim(dim, ndim):
@@ -510,10 +509,9 @@ def diagonal_scatter(self, src, offset=0, dim1=0, dim2=1):
     return jnp.moveaxis(moved, (-2, -1), (dim1, dim2))
 
 
-@register_mapping(aten.as_strided_scatter.default)
+# Overlapping strides: torch's formula gives the source's gradient where the scatter wrote it.
+@register_mapping(aten.as_strided_scatter.default, gradient="torch")
 def as_strided_scatter(self, src, size, stride, storage_offset=None):
     positions = _strided_positions(size, stride, storage_offset)
     return jnp.ravel(self).at[positions].set(src.astype(self.dtype)).reshape(self.shape)
 
-# Overlapping strides: torch's formula gives the source's gradient where the scatter wrote it.
-use_torch_gradient(aten.as_strided_scatter)

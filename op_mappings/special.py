@@ -14,7 +14,7 @@ import jax.scipy.special as jax_special
 from jax import lax
 
 from bridge.runtime.dtypes import INT_TO_FLOAT, is_lifted_float
-from bridge.runtime.registry import aten, register_mapping, use_torch_gradient
+from bridge.runtime.registry import aten, register_mapping
 from .common import default_float, is_integral
 
 
@@ -90,7 +90,10 @@ def _trigamma(x):
     return jnp.where(reflected, -result, result)
 
 
-@register_mapping(aten.digamma.default, promote=INT_TO_FLOAT)
+# digamma's and polygamma's derivatives near their poles (and log_ndtr's in the far tail, in
+# traits.py): JAX's rules differ from torch's formulas there (by up to 1.6 in float32, or NaN
+# where torch is finite).
+@register_mapping(aten.digamma.default, promote=INT_TO_FLOAT, gradient="torch")
 def digamma(self):
     return _digamma(self)
 
@@ -147,7 +150,7 @@ def _zeta(x, q):
     return value
 
 
-@register_mapping(aten.polygamma.default, promote=INT_TO_FLOAT, operands=("self",))
+@register_mapping(aten.polygamma.default, promote=INT_TO_FLOAT, operands=("self",), gradient="torch")
 def polygamma(n, self):
     if n == 0:
         return _digamma(self)
@@ -705,6 +708,3 @@ for _packet, _function in (
         lambda x, n, _function=_function: _function(*_polynomial_operands(x, n))
     )
 
-# digamma's and polygamma's derivatives near their poles, and log_ndtr's in the far tail: JAX's
-# rules differ from torch's formulas there (by up to 1.6 in float32, or NaN where torch is finite).
-use_torch_gradient(aten.digamma, aten.polygamma, aten.special_log_ndtr)

@@ -43,7 +43,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch.utils import _pytree as pytree
 
-from . import deferred, random
+from . import deferred, precision, random
 from . import tensor as tensor_module
 from .callsite import _is_library
 from .config import KEEP_FOR_BACKWARD, settings
@@ -736,10 +736,8 @@ def _compiler_options(jaxpr):
     "Measurements behind the choices")."""
     from jax import lax
 
-    from .config import matmul_precision
-
     if (
-        matmul_precision() == lax.Precision.HIGHEST
+        precision.matmul_precision() == lax.Precision.HIGHEST
         and not torch.is_autocast_enabled("cpu")
         and not _uses(jaxpr.jaxpr, "conv_general_dilated")
     ):

@@ -18,8 +18,9 @@ import os
 
 import jax
 
-from . import config, dtypes, stats
+from . import dtypes, precision, stats
 from .config import settings
+from .errors import MappingMismatchError
 
 # Static signatures compiled per op before the op runs uncompiled instead.
 MAX_VARIANTS = 12
@@ -192,12 +193,27 @@ def _shaped(key, arrays):
     return key, tuple((array.shape, array.dtype) for array in arrays)
 
 
+UNDECLARED_READS = set()  # ops whose entry read the precision settings without declaring it
+
+
+def _undeclared(op):
+    """An entry read torch's precision settings and its registration does not say so (reads=):
+    its programs are keyed on them from now on, as if it had. The suite makes this an error
+    (BRIDGE_CHECK_FACTS=1), so that a registration's facts stay complete."""
+    UNDECLARED_READS.add(op)
+    if settings.check_facts:
+        raise MappingMismatchError(
+            f"the mapping of {op} reads torch's precision settings, and its register_mapping does not declare "
+            "reads=('precision',): declare it beside the entry"
+        )
+
+
 class CompiledEntry:
     """Runs one table entry, compiled per static signature when it can be."""
 
     __slots__ = ("op", "call", "variants", "lifted", "shapes", "seen", "enabled", "float_free", "reads_precision", "last")
 
-    def __init__(self, op, call):
+    def __init__(self, op, call, reads_precision=False):
         self.op = op
         self.call = call
         self.variants = {}
@@ -208,17 +224,17 @@ class CompiledEntry:
         self.seen = {}  # those run on the host -> [how many came before, calls] (has_compiled_many_but_not)
         self.float_free = set()  # the signatures compiled so far, with their floats erased
         self.enabled = _returns_only_tensors(op)
-        # Whether the entry's trace read torch's matmul or convolution precision: then its
-        # programs are keyed on those settings too, so that a script changing them mid-run
-        # (torch.set_float32_matmul_precision) gets what it asked for.
-        self.reads_precision = False
+        # Whether the entry reads torch's matmul or convolution precision (its registration's
+        # reads=): then its programs are keyed on those settings too, so that a script changing
+        # them mid-run (torch.set_float32_matmul_precision) gets what it asked for.
+        self.reads_precision = reads_precision
         self.last = None  # the program the last call ran (None: uncompiled), for dispatch's direct calls
 
     def _key(self, values, keywords, arrays):
         positional_spec = tuple(_spec(value, arrays) for value in values)
         keyword_spec = tuple((name, _spec(value, arrays)) for name, value in keywords.items())
         if self.reads_precision:
-            return (positional_spec, keyword_spec, config.precision_settings())
+            return (positional_spec, keyword_spec, precision.precision_settings())
         return (positional_spec, keyword_spec)
 
     def has_compiled_many(self):
@@ -280,18 +296,20 @@ class CompiledEntry:
         self.float_free.add(float_free)
         positional_spec, keyword_spec = key[:2]
         compiled = jax.jit(functools.partial(_call_with, self.call, positional_spec, keyword_spec))
-        reads = config.precision_reads
+        reads = precision.reads
         try:
             out = compiled(arrays)
         except _TRACE_ERRORS:
             self.enabled = False
             return self._uncompiled(values, keywords, "its trace needs data-dependent values")
-        if config.precision_reads != reads and not self.reads_precision:
-            # Found out now: the programs compiled so far were keyed without the settings.
+        if precision.reads != reads and not self.reads_precision:
+            # A registration that does not declare what its entry reads (see _undeclared):
+            # the programs compiled so far were keyed without the settings.
+            _undeclared(self.op)
             self.reads_precision = True
             self.variants.clear()
-            self.float_free = {_erase_floats(key + (config.precision_settings(),))}
-            key = key + (config.precision_settings(),)
+            self.float_free = {_erase_floats(key + (precision.precision_settings(),))}
+            key = key + (precision.precision_settings(),)
         self.variants[key] = compiled
         self.shapes.add(_shaped(key, arrays))
         self.last = compiled
@@ -310,7 +328,7 @@ class CompiledEntry:
         compiling = program is _ARRAY
         if compiling:
             program = jax.jit(functools.partial(_call_lifted, self.call, *lifted_key[:2]))
-        reads = config.precision_reads
+        reads = precision.reads
         try:
             out = program(arrays, floats)
         except Exception:  # noqa: BLE001 - the uncompiled call below raises the call's own error
@@ -319,8 +337,9 @@ class CompiledEntry:
             # uncompiled, as with the float compiled in (a bad call raises there, as torch does).
             self.lifted[lifted_key] = None
             return self._uncompiled(values, keywords, "it needs a changing float as a Python number")
-        if compiling and config.precision_reads != reads and not self.reads_precision:
+        if compiling and precision.reads != reads and not self.reads_precision:
             # As in __call__: programs keyed without the precision settings are dropped.
+            _undeclared(self.op)
             self.reads_precision = True
             self.variants.clear()
             self.lifted.clear()

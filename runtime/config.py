@@ -2,8 +2,6 @@
 
 import os
 
-import torch
-
 
 class Settings:
     """Mutable settings; one instance, `settings`, lives for the process."""
@@ -49,7 +47,7 @@ class Settings:
         # The name scripts see for bridge devices.
         self.device_type = "cuda"
         # 2-d convolutions produce their result channels-last (NHWC), then transpose it to
-        # torch's NCHW: None decides by platform (conv_channels_last()).
+        # torch's NCHW: None decides by platform (runtime/precision.py conv_channels_last()).
         flag = os.environ.get("BRIDGE_CONV_CHANNELS_LAST")
         self.conv_channels_last = None if flag is None else flag != "0"
         # float32 attention on NVIDIA GPUs runs as one Pallas (Triton) kernel
@@ -62,6 +60,9 @@ class Settings:
         # Compile a captured region's backward before its first split forward runs
         # (runtime/capture.py `_compile_backward`): None decides by platform (GPUs only).
         self.compile_backward_ahead = None
+        # An entry that reads something its registration does not declare (runtime/compiled_ops.py
+        # _undeclared) is an error rather than handled: the test suite sets it.
+        self.check_facts = os.environ.get("BRIDGE_CHECK_FACTS", "0") == "1"
 
 
     @property
@@ -77,35 +78,6 @@ settings = Settings()
 KEEP_FOR_BACKWARD = "bridge_keep_for_backward"
 
 
-# Counts the reads of torch's precision settings by mappings (matmul_precision, conv_precision):
-# an op compiled for eager mode whose trace read them keys its programs on precision_settings().
-precision_reads = 0
-
-
-def precision_settings():
-    return (
-        torch.get_float32_matmul_precision(),
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-    )
-
-
-def matmul_precision():
-    """The `jax.lax.Precision` matching torch's float32 matmul setting.
-
-    torch's default ("highest") is full float32; "high" and "medium" allow TF32
-    or bf16 passes, which XLA's DEFAULT precision gives on GPUs.
-    """
-    from jax import lax
-
-    global precision_reads
-    precision_reads += 1
-
-    if torch.get_float32_matmul_precision() == "highest" and not torch.backends.cuda.matmul.allow_tf32:
-        return lax.Precision.HIGHEST
-    return lax.Precision.DEFAULT
-
-
 def optimizer_state():
     """The optimizer state's layout: "flat" or "separate" (settings.optimizer_state)."""
     layout = settings.optimizer_state
@@ -114,32 +86,3 @@ def optimizer_state():
     if layout not in ("flat", "separate"):
         raise ValueError(f"BRIDGE_OPTIMIZER_STATE={layout!r}: the optimizer state's layout is 'flat' or 'separate'")
     return layout
-
-
-def conv_channels_last():
-    """Whether 2-d convolutions give their result channels-last before the transpose to NCHW.
-
-    On GPUs XLA runs convolutions in NHWC. A captured region's split runs keep convolution
-    results for the backward program (runtime/capture.py), and a kept NCHW result is
-    transposed on its way out of the forward program and back in the backward: 6.8 ms of
-    ResNet-50's 31 ms step on an H100. Kept channels-last, it crosses as it is. On XLA's CPU
-    the layout changes the order of later reductions, so it stays NCHW there.
-    """
-    if settings.conv_channels_last is not None:
-        return settings.conv_channels_last
-    from . import devices
-
-    return devices.jax_device(0).platform == "gpu"
-
-
-def conv_precision():
-    """The `jax.lax.Precision` of float32 convolutions: torch lets cuDNN use TF32 for them
-    unless `torch.backends.cudnn.allow_tf32` is False (its default is True). XLA's CPU
-    backend computes DEFAULT in full float32, as torch's CPU kernels do."""
-    from jax import lax
-
-    global precision_reads
-    precision_reads += 1
-    if not torch.backends.cudnn.allow_tf32:
-        return lax.Precision.HIGHEST
-    return lax.Precision.DEFAULT

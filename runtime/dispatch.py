@@ -15,13 +15,13 @@ import numpy as np
 import torch
 import torch._decomp
 
-from . import config, devices, random, stats
+from . import devices, precision, random, stats
 from .compiled_ops import CompiledEntry
 from .callsite import user_call_site, warn_at_user_site
 from .config import settings
 from .dtypes import TORCH_TO_JAX
 from .errors import CPUFallbackWarning, DeviceError, MappingDtypeWarning, MappingMismatchError, UnsupportedOpError
-from .registry import OP_TRAITS, Mapping, mapping_of, meta_of, takes_torch_gradient
+from .registry import OP_TRAITS, Mapping, mapping_of, meta_of, takes_host_tensors, takes_torch_gradient
 from . import deferred, torch_gradients
 from .tensor import (
     BridgeTensor,
@@ -100,7 +100,7 @@ def _unwrap(value, index, func=None):
             # autograd's zero that takes no memory (forward-mode AD's tangent of a tensor that
             # has none): it holds no data to copy
             return devices.put(np.zeros(value.shape, TORCH_TO_JAX[value.dtype]), index)
-        if func is not None and value.dim() and func not in _TAKES_HOST_TENSORS and not _inside_autograd():
+        if func is not None and value.dim() and not takes_host_tensors(func) and not _inside_autograd():
             _refuse_two_devices(func, value, index)
         return devices.put(torch_to_numpy(value), index)
     if isinstance(value, (list, tuple)) and value and isinstance(value[0], (torch.Tensor, type(None))):
@@ -110,7 +110,7 @@ def _unwrap(value, index, func=None):
 
 # torch refuses an op between a tensor on the GPU and one on the host ("Expected all tensors to
 # be on the same device"), except a 0-dim host tensor (a scalar), the indices of indexing, and
-# the copies that move data between devices. A bridge tensor is a CPU tensor to torch's C++
+# the copies that move data between devices (registrations declare them: host_tensors=). A bridge tensor is a CPU tensor to torch's C++
 # core, so tensors that C++ code makes "like" it are host tensors: backward formulas do
 # (`at::zeros(sizes, grad.options())`), and so do a few forward composites (one_hot's arange).
 # Those are not the script's mixing: autograd's are let through (a backward node is running,
@@ -122,25 +122,6 @@ _forward_ad = torch.autograd.forward_ad
 
 def _inside_autograd():
     return _current_node() is not None or _forward_ad._current_level >= 0 or settings.in_host_making_composite
-_TAKES_HOST_TENSORS = {
-    aten.index.Tensor,
-    aten._unsafe_index.Tensor,
-    aten.index_put.default,
-    aten.index_put_.default,
-    aten._index_put_impl_.default,
-    aten._unsafe_index_put.default,
-    aten.copy_.default,
-    aten.copy.default,
-    aten._copy_from.default,
-    aten._copy_from_and_resize.default,
-    aten._to_copy.default,
-    aten.set_.source_Tensor,
-    aten.lift_fresh.default,
-    aten.lift_fresh_copy.default,
-    # torch's LSTM composite on a CPU build (what a bridge tensor is to C++) runs oneDNN's
-    # layer with host tensors it makes for the hidden state and packed weights
-    aten.mkldnn_rnn_layer.default,
-}
 
 
 def _refuse_two_devices(func, host, index):
@@ -659,7 +640,7 @@ def _direct_key(args, kwargs):
 
 
 def _mapped_plan(func, mapping):
-    call = CompiledEntry(func, mapping.call)
+    call = CompiledEntry(func, mapping.call, reads_precision="precision" in mapping.reads)
     rng = mapping.rng
     mutating = bool(mapping.mutates)
     # Random ops draw a new key each call; mutating ones write their arguments afterwards.
@@ -676,7 +657,7 @@ def _mapped_plan(func, mapping):
         if direct is not None and settings.compile_ops and not settings.tracing:
             direct_key = _direct_key(args, kwargs)
             if direct_key is not None and call.reads_precision:
-                direct_key += (config.precision_settings(),)  # torch.set_float32_matmul_precision
+                direct_key += (precision.precision_settings(),)  # torch.set_float32_matmul_precision
             known = direct.get(direct_key) if direct_key is not None else None
             if known is not None:
                 program, index = known
@@ -975,7 +956,7 @@ def _inplace_plan(func, functional):
         if fast is not None and settings.compile_ops and not settings.tracing and type(args[0]) is BridgeTensor:
             key = _direct_key(args, kwargs)
             known = fast.get(key) if key is not None else None
-            if known is not None and (not known[1].reads_precision or known[2] == config.precision_settings()):
+            if known is not None and (not known[1].reads_precision or known[2] == precision.precision_settings()):
                 target = args[0]
                 if settings.defer_updates and not target._chain and target.dtype.is_floating_point:
                     deferred.record(known[0], target, _direct_tensors(args))
@@ -1007,13 +988,13 @@ def _remember_inplace(fast, key, functional, args, kwargs, result):
     if direct is None or type(result) is not BridgeTensor or result.dtype != target.dtype or result.shape != target.shape:
         return
     entry = plan.entry
-    precision = config.precision_settings() if entry.reads_precision else None
-    known = direct.get(key + ((precision,) if precision is not None else ()))
+    settings_read = precision.precision_settings() if entry.reads_precision else None
+    known = direct.get(key + ((settings_read,) if settings_read is not None else ()))
     if known is None or known[1] != target._index:
         return
     if len(fast) >= _DIRECT_LIMIT:
         fast.clear()
-    fast[key] = (known[0], entry, precision)
+    fast[key] = (known[0], entry, settings_read)
 
 
 def _changes_shape_in_place(func):

@@ -59,6 +59,9 @@ class Mapping:
     # Settings the body reads besides its arguments ("precision": torch's float32 matmul and
     # cuDNN TF32 settings): compiled programs of the op are keyed on them.
     reads: tuple[str, ...] = ()
+    # The op takes host tensors beside bridge tensors as torch's does beside CUDA tensors (indices,
+    # the source of a copy) rather than refusing them with torch's two-device error.
+    host_tensors: bool = False
     # "torch": inside differentiated captured regions the op takes torch's derivative formula
     # (runtime/torch_gradients.py), where JAX's differs (at 0, at bounds, special arguments);
     # a Vjp: the body's derivative is that formula, traced into the region.
@@ -74,6 +77,8 @@ class Traits:
     host_outputs: tuple[int, ...] = ()
     # "torch": its decomposition is differentiated by torch's formula for the op itself.
     gradient: Optional[str] = None
+    # As Mapping.host_tensors (in-place and copy ops that the runtime derives).
+    host_tensors: bool = False
 
 
 # Ops with no entry in the tables and something the runtime must know about them.
@@ -227,6 +232,7 @@ def register_mapping(
     meta: Meta = None,
     identity_view: bool = False,
     reads: tuple[str, ...] = (),
+    host_tensors: bool = False,
     gradient: Any = None,
 ) -> Callable[[Callable], Callable]:
     """Declare a JAX function as the mapping of one or more ATen ops, with every fact the runtime
@@ -248,6 +254,8 @@ def register_mapping(
     identity_view: a view that is its whole base at equal shapes (view, expand, squeeze).
     reads: settings the body reads besides its arguments: ("precision",) for bodies that
         call `precision.matmul_precision()` or `precision.conv_precision()`.
+    host_tensors: the op takes host tensors beside bridge tensors, as torch's takes host
+        tensors beside CUDA ones (indices, a copy's source).
     gradient: "torch" (torch's derivative formula inside captured regions) or a `Vjp`.
     """
     if gradient is not None and gradient != "torch" and not isinstance(gradient, Vjp):
@@ -273,6 +281,7 @@ def register_mapping(
                     meta=meta,
                     identity_view=identity_view,
                     reads=tuple(reads),
+                    host_tensors=host_tensors,
                     gradient=gradient,
                 )
         return body
@@ -281,7 +290,11 @@ def register_mapping(
 
 
 def register_traits(
-    *ops: Any, meta: Meta = None, host_outputs: tuple[int, ...] = (), gradient: Optional[str] = None
+    *ops: Any,
+    meta: Meta = None,
+    host_outputs: tuple[int, ...] = (),
+    gradient: Optional[str] = None,
+    host_tensors: bool = False,
 ) -> None:
     """Declare facts about ops that have no mapping (OP_TRAITS); packets mean their functional
     overloads."""
@@ -289,7 +302,9 @@ def register_traits(
         is_packet = isinstance(packet_or_op, (OpOverloadPacket, TolerantPacket))
         for op in _overloads(packet_or_op):
             if not (is_packet and _is_derived_variant(op)):
-                OP_TRAITS[op] = Traits(meta=meta, host_outputs=tuple(host_outputs), gradient=gradient)
+                OP_TRAITS[op] = Traits(
+                    meta=meta, host_outputs=tuple(host_outputs), gradient=gradient, host_tensors=host_tensors
+                )
 
 
 def meta_of(op: OpOverload) -> Meta:
@@ -327,6 +342,12 @@ def mapping_of(op: OpOverload) -> Optional[Mapping]:
     return mapping
 
 
+def takes_host_tensors(op: OpOverload) -> bool:
+    """Whether `op` takes host tensors beside bridge tensors (see Mapping.host_tensors)."""
+    record = MAPPINGS.get(op) or OP_TRAITS.get(op)
+    return record is not None and record.host_tensors
+
+
 def takes_torch_gradient(op: OpOverload) -> bool:
     """Whether `op` takes torch's derivative formula inside differentiated captured regions."""
     mapping = MAPPINGS.get(op)
@@ -334,26 +355,6 @@ def takes_torch_gradient(op: OpOverload) -> bool:
         return mapping.gradient == "torch"
     traits = OP_TRAITS.get(op)
     return traits is not None and traits.gradient == "torch"
-
-
-def use_torch_gradient(*ops: Any) -> None:
-    """(Being replaced by `register_mapping(..., gradient="torch")`.)"""
-    for packet_or_op in ops:
-        is_packet = isinstance(packet_or_op, (OpOverloadPacket, TolerantPacket))
-        for op in _overloads(packet_or_op):
-            if is_packet and _is_derived_variant(op):
-                continue
-            if op in MAPPINGS:
-                MAPPINGS[op] = dataclasses.replace(MAPPINGS[op], gradient="torch")
-            else:
-                OP_TRAITS[op] = dataclasses.replace(OP_TRAITS.get(op, Traits()), gradient="torch")
-
-
-def differentiate_as_torch(op: OpOverload, save: Callable, backward: Callable) -> None:
-    """(Being replaced by `register_mapping(..., gradient=Vjp(save, backward))`.)"""
-    mapping = MAPPINGS[op]
-    vjp = Vjp(save, backward)
-    MAPPINGS[op] = dataclasses.replace(mapping, call=_differentiate_as_torch(mapping.call, vjp), gradient=vjp)
 
 
 def _differentiate_as_torch(inner: Callable, vjp: Vjp) -> Callable:

@@ -2,8 +2,8 @@
 
 A captured region's backward is JAX's differentiation of its traced forward. For most ops that
 is torch's formula too; where the two differ (subgradients at 0 and at bounds, `padding_idx`,
-`scale_grad_by_freq`, norms of zero vectors), the ops are declared with
-`registry.use_torch_gradient`, and in a differentiated trace each call of one becomes a JAX
+`scale_grad_by_freq`, norms of zero vectors), the ops' registrations
+declare it (`gradient="torch"`), and in a differentiated trace each call of one becomes a JAX
 custom vjp whose backward runs the op once more through torch's autograd, on bridge tensors
 holding the backward trace's values, and asks torch for the gradients: the formula of
 derivatives.yaml, run through the mapping tables as eager mode runs it. Its residuals are the

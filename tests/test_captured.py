@@ -709,7 +709,7 @@ class _ConvNet(torch.nn.Module):
 @pytest.mark.parametrize("mode", ["eager", "captured"])
 def test_channels_last_convolutions_match_torch(bridged, mode):
     """Convolutions that give their result channels-last before the transpose to NCHW (the
-    default on GPUs: runtime.config.conv_channels_last), with the loss outside the model so
+    default on GPUs: runtime.precision.conv_channels_last), with the loss outside the model so
     that captured runs split into a forward and a backward program."""
     from bridge.runtime.config import settings
 
@@ -1019,7 +1019,7 @@ _TORCH_SAVED = [
 @pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
 def test_activations_and_layer_norm_keep_what_torch_keeps(captured, monkeypatch, make, saved, autocast):
     """In a captured region GELU, SiLU and layer norm are differentiated by torch's formulas
-    (runtime.registry.differentiate_as_torch): the backward keeps their input, as torch's autograd
+    (a Vjp in their registration, runtime.registry): the backward keeps their input, as torch's autograd
     does, not JAX's intermediate values (a tanh GELU differentiated by JAX keeps four tensors
     of its size), and the gradients are torch's."""
     import jax

@@ -477,11 +477,11 @@ def test_operators_still_go_through_autograd_modes_and_autocast(bridged):
 def test_changing_matmul_precision_recompiles_eager_matmuls(bridged, monkeypatch):
     # An op compiled for eager mode whose trace read torch's precision setting is keyed on it:
     # a script that changes the setting mid-run gets programs traced under the new one.
-    from bridge.runtime import config
+    from bridge.runtime import precision
 
     reads = []
-    real = config.matmul_precision
-    monkeypatch.setattr(config, "matmul_precision", lambda: reads.append(1) or real())
+    real = precision.matmul_precision
+    monkeypatch.setattr(precision, "matmul_precision", lambda: reads.append(1) or real())
     a, b = torch.randn(8, 8).to("cuda"), torch.randn(8, 8).to("cuda")
     before = torch.get_float32_matmul_precision()
     try:
