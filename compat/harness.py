@@ -5,6 +5,7 @@ import dataclasses
 import os
 import signal
 import time
+import warnings
 
 import torch
 from torch.utils import _pytree as pytree
@@ -623,6 +624,30 @@ def merge_ops(target, ops):
 
 
 # ---------------------------------------------------------------- a sweep as a process of its own
+
+
+def run_sweep(database, name_of, run_entry, quick, progress, budget, starting, planned):
+    """Run `run_entry` over every entry of a selected database (OpInfo's or ModuleInfo's), with the
+    sweep's callbacks. Returns (records, ops by entry name, seconds, entries over budget)."""
+    if planned is not None:
+        planned([name_of(entry) for entry in database])
+    activate()
+    started = time.perf_counter()
+    records, ops_by_entry, over_budget = [], {}, []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for position, entry in enumerate(database):
+            if starting is not None:
+                starting(position, len(database), entry)
+            entry_started = time.perf_counter()
+            entry_records, entry_ops = run_entry(entry, quick=quick, budget=budget)
+            records.extend(entry_records)
+            ops_by_entry[name_of(entry)] = entry_ops
+            if any(record.status == TIMEOUT for record in entry_records):
+                over_budget.append(name_of(entry))
+            if progress is not None:
+                progress(position, len(database), entry, entry_records, time.perf_counter() - entry_started, entry_ops)
+    return records, ops_by_entry, time.perf_counter() - started, over_budget
 
 
 def sweep_main(module, argv=None):

@@ -3,14 +3,13 @@ forward (outputs and buffers) and backward (input and parameter gradients), in t
 
 import copy
 import time
-import warnings
 
 import torch
 from torch.utils import _pytree as pytree
 
 from . import expected_failures, harness
 from .harness import BACKWARD, FORWARD, Record
-from .opinfo import _decorator_kind, dtype_name
+from .opinfo import _decorator_kind, dtype_name, listed_tolerance
 
 DTYPES = (torch.float32, torch.float64)
 MODES = ("train", "eval")
@@ -75,26 +74,12 @@ def _is_active(decorate, cls_name, test_name, dtype, training):
 
 
 def tolerance(info, dtype):
-    found = None
-    for decorate in info.decorators:
-        if not hasattr(decorate, "is_active") or decorate.device_type not in (None, "cpu", "cuda"):
-            continue
-        if decorate.cls_name not in (None, "TestModule") or (decorate.dtypes is not None and dtype not in decorate.dtypes):
-            continue
-        if decorate.test_name not in (None, "test_forward", "test_cpu_gpu_parity", "test_grad"):
-            continue
-        for decorator in decorate.decorators:
-            kind = _decorator_kind(decorator)
-            if kind is None or kind[0] != "tolerance" or dtype not in kind[1]:
-                continue
-            rtol, atol = kind[1][dtype]
-            found = (rtol, atol) if found is None else (max(found[0], rtol), max(found[1], atol))
-    if found is None:
-        return None
-    from torch.testing._comparison import default_tolerances
-
-    default_rtol, default_atol = default_tolerances(dtype)
-    return (max(found[0], default_rtol), max(found[1], default_atol))
+    return listed_tolerance(
+        info.decorators,
+        dtype,
+        lambda decorate: decorate.cls_name in (None, "TestModule")
+        and decorate.test_name in (None, "test_forward", "test_cpu_gpu_parity", "test_grad"),
+    )
 
 
 # ---------------------------------------------------------------- one sample
@@ -437,25 +422,7 @@ def _resolve(info, record, failure, dtype, phase, training, quick):
 def sweep(only=None, quick=False, progress=None, budget=None, starting=None, planned=None, exact=None):
     """Run every selected module. Returns (records, ops by module, seconds, modules over budget)."""
     database = select(load_database(), only, exact)
-    if planned is not None:
-        planned([info.name for info in database])
-    harness.activate()
-    started = time.perf_counter()
-    records, ops_by_entry, over_budget = [], {}, []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for position, info in enumerate(database):
-            if starting is not None:
-                starting(position, len(database), info)
-            entry_started = time.perf_counter()
-            entry_records, entry_ops = run_entry(info, quick=quick, budget=budget)
-            records.extend(entry_records)
-            ops_by_entry[info.name] = entry_ops
-            if any(record.status == harness.TIMEOUT for record in entry_records):
-                over_budget.append(info.name)
-            if progress is not None:
-                progress(position, len(database), info, entry_records, time.perf_counter() - entry_started, entry_ops)
-    return records, ops_by_entry, time.perf_counter() - started, over_budget
+    return harness.run_sweep(database, display_name, run_entry, quick, progress, budget, starting, planned)
 
 
 def display_name(info):

@@ -3,7 +3,6 @@ its sample inputs, forward results for each supported dtype and gradients in flo
 
 import time
 import unittest
-import warnings
 
 import torch
 from torch.utils import _pytree as pytree
@@ -182,13 +181,24 @@ def database_verdict(op, dtype, phase):
 def tolerance(op, dtype):
     """(rtol, atol) from the entry's tolerance overrides for this dtype, at least torch's defaults
     for the dtype; None when the entry declares none (then assert_close's defaults apply)."""
+    return listed_tolerance(
+        op.decorators,
+        dtype,
+        lambda info: info.cls_name in (None, "TestCommon", "TestBwdGradients") and info.active_if is not False,
+    )
+
+
+def listed_tolerance(infos, dtype, wanted):
+    """The widest (rtol, atol) that the DecorateInfos `infos` of an OpInfo or ModuleInfo entry set
+    for `dtype` on a CPU or CUDA device, among those `wanted(info)` accepts, and at least torch's
+    defaults for the dtype; None where they set none."""
     found = None
-    for info in op.decorators:
+    for info in infos:
         if not hasattr(info, "is_active") or info.device_type not in (None, "cpu", "cuda"):
             continue
         if info.dtypes is not None and dtype not in info.dtypes:
             continue
-        if info.cls_name not in (None, "TestCommon", "TestBwdGradients") or info.active_if is False:
+        if not wanted(info):
             continue
         for decorator in info.decorators:
             kind = _decorator_kind(decorator)
@@ -735,25 +745,7 @@ def run_entry(op, quick=False, budget=None, dtypes=DTYPES):
 def sweep(only=None, quick=False, progress=None, budget=None, starting=None, planned=None, exact=None):
     """Run every selected entry. Returns (records, ops by entry, seconds, entries over budget)."""
     database = select(load_database(), only, exact)
-    if planned is not None:
-        planned([entry_name(op) for op in database])
-    harness.activate()
-    started = time.perf_counter()
-    records, ops_by_entry, over_budget = [], {}, []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        for position, op in enumerate(database):
-            if starting is not None:
-                starting(position, len(database), op)
-            entry_started = time.perf_counter()
-            entry_records, entry_ops = run_entry(op, quick=quick, budget=budget)
-            records.extend(entry_records)
-            ops_by_entry[entry_name(op)] = entry_ops
-            if any(record.status == harness.TIMEOUT for record in entry_records):
-                over_budget.append(entry_name(op))
-            if progress is not None:
-                progress(position, len(database), op, entry_records, time.perf_counter() - entry_started, entry_ops)
-    return records, ops_by_entry, time.perf_counter() - started, over_budget
+    return harness.run_sweep(database, entry_name, run_entry, quick, progress, budget, starting, planned)
 
 
 def display_name(op):

@@ -54,20 +54,14 @@ def swap_key(key):
 
 def next_key():
     """A fresh key for one random op; advances the state."""
-    key = _state["key"]
-    if key is None:
-        key = _seeded_key()
-    key, sub = jax.random.split(key)
+    key, sub = jax.random.split(current_key())
     _state["key"] = key
     return sub
 
 
 def get_state():
     """The generator's state as bytes (what torch.cuda.get_rng_state returns as a uint8 tensor)."""
-    key = _state["key"]
-    if key is None:
-        key = _seeded_key()
-    data = np.asarray(jax.random.key_data(key), dtype=np.uint32)
+    data = np.asarray(jax.random.key_data(current_key()), dtype=np.uint32)
     return np.uint64(_state["seed"]).tobytes() + data.tobytes()
 
 

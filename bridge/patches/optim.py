@@ -369,6 +369,16 @@ def _params(optimizer):
     return [p for group in optimizer.param_groups for p in group["params"]]
 
 
+def _hand_over(optimizer, params, grads, scaler_tensors):
+    """Give the parameters these gradients and the optimizer these GradScaler tensors (None: the
+    attribute is left as it is)."""
+    for p, grad in zip(params, grads):
+        p.grad = grad
+    for name, tensor in zip(_SCALER_ATTRIBUTES, scaler_tensors):
+        if tensor is not None:
+            setattr(optimizer, name, tensor)
+
+
 def _python_numbers(optimizer):
     """The plain numbers of an optimizer's state and param_groups, by place."""
     numbers = []
@@ -425,18 +435,10 @@ class _StepRegion:
         if clip is not None:
             clipped = clip_in_place([grad for grad in grads if grad is not None], *clip.value)
         try:
-            for p, grad in zip(params, grads):
-                p.grad = grad
-            for name, tensor in zip(_SCALER_ATTRIBUTES, scaler_tensors):
-                if tensor is not None:
-                    setattr(optimizer, name, tensor)
+            _hand_over(optimizer, params, grads, scaler_tensors)
             self.step(optimizer)
         finally:
-            for p, grad in zip(params, saved):
-                p.grad = grad
-            for name, tensor in zip(_SCALER_ATTRIBUTES, saved_scaler):
-                if tensor is not None:
-                    setattr(optimizer, name, tensor)
+            _hand_over(optimizer, params, saved, saved_scaler)
         if tracing and _python_numbers(optimizer) != numbers:
             for owner, entries in zip([*optimizer.state.values(), *optimizer.param_groups], numbers):
                 owner.update(entries)  # as before the trace: the eager run counts once
