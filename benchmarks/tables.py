@@ -50,12 +50,13 @@ class ProgramRow:
 PROGRAM_ROWS = (
     ProgramRow(
         "nanoGPT `bench.py` (GPT-2 small, bf16, `AdamW(fused=True)`, two parameter groups)",
-        "real_programs_h200_2026-11-27_deferred_updates",
+        "real_programs_h200_2026-11-27_facts_2",
         "nanogpt-bench",
     ),
+    ProgramRow("nanoGPT `bench.py`, another run", "real_programs_h200_2026-11-27_deferred_updates", "nanogpt-bench"),
     ProgramRow(
         "HF `Trainer` defaults, GPT-2 6x768 from a config, batch 8x512",
-        "real_programs_h200_2026-11-27_host_int_ops_2",
+        "real_programs_h200_2026-11-27_facts_2",
         "hf-trainer",
     ),
     ProgramRow(
@@ -64,9 +65,10 @@ PROGRAM_ROWS = (
     ProgramRow(
         "HF `generate`, GPT-2 12x768, greedy, 128 new tokens (bridge: static cache; torch.compile: HF's "
         "static cache, compiled)",
-        "real_programs_h200_2026-11-27_deferred_updates",
+        "real_programs_h200_2026-11-27_facts",
         "generate",
     ),
+    ProgramRow("HF `generate`, another run", "real_programs_h200_2026-11-27_deferred_updates", "generate"),
     ProgramRow(
         "HF `generate`, the run before in-place updates ran together",
         "real_programs_h200_2026-11-27_host_int_ops",
@@ -85,9 +87,10 @@ PROGRAM_ROWS = (
     ProgramRow("pytorch/examples imagenet, another run", "real_programs_h100_2026-11-26_pm_2", "imagenet"),
     ProgramRow(
         "pytorch/examples word_language_model `--model Transformer`",
-        "real_programs_h200_2026-11-27_deferred_updates",
+        "real_programs_h200_2026-11-27_facts",
         "word-lm",
     ),
+    ProgramRow("word_language_model, another run", "real_programs_h200_2026-11-27_deferred_updates", "word-lm"),
     ProgramRow(
         "word_language_model, the run before in-place updates ran together",
         "real_programs_h200_2026-11-27_host_int_ops",

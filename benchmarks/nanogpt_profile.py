@@ -1,0 +1,89 @@
+"""Where nanoGPT bench.py's step time goes, under the bridge or under torch.compile (GPU).
+
+    python benchmarks/nanogpt_profile.py bridge|compile --nanogpt PATH [--gaps] [--no-profile]
+
+The step is bench.py's (nanoGPT's own model.py from the checkout at PATH, unmodified: GPT-2
+small 12x768, batch 12x1024, bf16 autocast, `configure_optimizers` with its fused AdamW, then
+forward, `zero_grad(set_to_none=True)`, backward, step and `loss.item()`), on random tokens.
+Prints the median step time and the host's time per phase; then profiles 5 steps (a JAX
+profile for the bridge, torch.profiler for torch.compile) and writes
+$OUT (or /tmp)/nanogpt_<case>.txt with profile_step.py's report: kernels by family and by
+name, and with --gaps where the GPU waits and what the host is doing meanwhile.
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("case", choices=["bridge", "compile"])
+    parser.add_argument("--nanogpt", required=True, help="a nanoGPT checkout")
+    parser.add_argument("--gaps", action="store_true")
+    parser.add_argument("--no-profile", action="store_true")
+    options = parser.parse_args(argv)
+    sys.path.insert(0, options.nanogpt)
+    if options.case == "bridge":
+        import bridge
+
+        bridge.activate(mode="captured")
+    import torch
+    from model import GPT, GPTConfig
+
+    import profile_step
+
+    torch.manual_seed(1337)
+    config = GPTConfig(block_size=1024, n_layer=12, n_head=12, n_embd=768, dropout=0.0, bias=False)
+    model = GPT(config).to("cuda")
+    optimizer = model.configure_optimizers(weight_decay=1e-2, learning_rate=1e-4, betas=(0.9, 0.95), device_type="cuda")
+    if options.case == "compile":
+        model = torch.compile(model)
+    x = torch.randint(50304, (12, 1024)).to("cuda")
+    y = torch.randint(50304, (12, 1024)).to("cuda")
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16)
+
+    def step(mark=lambda phase: None):
+        with autocast:
+            _, loss = model(x, y)
+        mark("forward")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        mark("backward")
+        optimizer.step()
+        mark("optimizer")
+        loss.item()
+        mark("item")
+
+    for _ in range(8):
+        step()
+    times = []
+    for _ in range(20):
+        start = time.perf_counter()
+        step()
+        times.append((time.perf_counter() - start) * 1e3)
+    print(f"{options.case}: median {statistics.median(times):.2f} ms a step (min {min(times):.2f})", flush=True)
+    print("host ms per phase:", profile_step._phases(step, 2, 10), flush=True)
+    if options.no_profile:
+        return
+    if options.case == "bridge":
+        profiled = profile_step._jax_profile(step, 2, 5, tempfile.mkdtemp(), gaps=options.gaps)
+        text = profile_step._report(options.case, profiled[0], 5, *profiled[1:4])
+        if options.gaps:
+            text += profiled[4]
+    else:
+        wall_ms, kernels = profile_step._torch_profile(step, 2, 5)
+        text = profile_step._report(options.case, wall_ms, 5, kernels)
+    with open(os.path.join(os.environ.get("OUT", "/tmp"), f"nanogpt_{options.case}.txt"), "w") as handle:
+        handle.write(text)
+    print(text, flush=True)
+
+
+if __name__ == "__main__":
+    main()
