@@ -33,6 +33,7 @@ from bridge.runtime.errors import (  # noqa: E402,F401  (re-exported for users)
 
 from . import report  # noqa: E402,F401
 from .activation import activate, deactivate, is_active, set_mode  # noqa: E402
+from .loading import LoadedProgram, load  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -56,6 +57,8 @@ __all__ = [
     "active",
     "is_active",
     "set_mode",
+    "load",
+    "LoadedProgram",
     "BridgeError",
     "UnsupportedOpError",
     "MappingMismatchError",
