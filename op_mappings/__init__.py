@@ -43,4 +43,5 @@ from . import (  # noqa: F401  (imported for their registrations)
     distances,
     recurrent,
     traits,
+    control_flow,
 )

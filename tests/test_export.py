@@ -125,11 +125,7 @@ def test_files_it_cannot_read_say_so(tmp_path):
 # ---------------------------------------------------------------- ExportDB
 
 # Examples the translator cannot run yet, with the reason.
-EXPORTDB_FAILURES = {
-    "cond_closed_over_variable": "torch.cond (a higher-order op) has no bridge rule yet",
-    "cond_operands": "torch.cond (a higher-order op) has no bridge rule yet",
-    "dynamic_shape_map": "functorch's map (a higher-order op) has no bridge rule yet",
-}
+EXPORTDB_FAILURES = {}
 
 
 def _exportdb():
@@ -164,3 +160,31 @@ def test_exportdb_example(name):
             _close(got, want)
         else:
             assert got == want
+
+
+def test_torch_cond_on_data_runs_as_one_program():
+    """A branch on data (`torch.cond`) becomes jax.lax.cond: the jitted function takes either
+    branch as torch does, from one program."""
+
+    class Branch(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(3, 3)
+
+        def forward(self, x):
+            return torch.cond(x.sum() > 0, lambda t: self.linear(t).relu(), lambda t: t.cos() - 1, (x,))
+
+    torch.manual_seed(0)
+    module, x = Branch(), torch.randn(4, 3)
+    exported = torch.export.export(module, (x,))
+    with bridge.active():
+        function, state = export.to_jax(exported)
+        compiled = jax.jit(function)
+        for sample in (x.abs(), -x.abs()):
+            out, _, _ = compiled(state, _array(sample))
+            _close(out, module(sample))
+        # and in a script under the bridge (torch.cond compiles its branches: one region)
+        with torch.no_grad():
+            bridged = copy.deepcopy(module).to("cuda")
+            for sample in (x.abs(), -x.abs()):
+                torch.testing.assert_close(bridged(sample.to("cuda")).cpu(), module(sample), rtol=RTOL, atol=ATOL)

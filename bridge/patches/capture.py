@@ -237,6 +237,10 @@ def _compile_function(function, fullgraph):
     region = capture.Region(function, name, fullgraph=fullgraph)
 
     def compiled(*args, **kwargs):
+        if not _has_bridge_tensor(args, kwargs):
+            # Host tensors only (torch.cond's own compile of its branches on CPU tensors): torch's
+            # eager code, as the compiled function would compute it.
+            return function(*args, **kwargs)
         return region(*args, **kwargs)
 
     compiled.__wrapped__ = function
