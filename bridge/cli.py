@@ -76,6 +76,12 @@ def _parser():
         add_help=False,
     )
     coverage.add_argument("args", nargs=argparse.REMAINDER, help="options of the coverage report (--help)")
+    check = commands.add_parser(
+        "check",
+        help="list a saved graph's ops (.pt2) by how the bridge would run each, without running it",
+        description="Exit code 0 when every op runs on the bridge device, 1 when some would fall back to the CPU.",
+    )
+    check.add_argument("file", help="a torch.export program (.pt2)")
     commands.add_parser(
         "doctor",
         help="print the torch, JAX and Python versions found, JAX's backend and devices, and what to install",
@@ -159,6 +165,10 @@ def main(argv=None):
             device=options.device,
             mode=options.mode,
         )
+    if options.command == "check":
+        from bridge.check import main as check_main
+
+        return check_main(options.file)
     if options.command == "doctor":
         from bridge.doctor import main as doctor_main
 

@@ -188,3 +188,19 @@ def test_torch_cond_on_data_runs_as_one_program():
             bridged = copy.deepcopy(module).to("cuda")
             for sample in (x.abs(), -x.abs()):
                 torch.testing.assert_close(bridged(sample.to("cuda")).cpu(), module(sample), rtol=RTOL, atol=ATOL)
+
+
+def test_check_lists_a_saved_graph_s_ops_by_rung(tmp_path, capsys):
+    """`bridge check FILE` reads a .pt2 and says how each op would run, without running it."""
+    from bridge.cli import main
+
+    _, exported, _, _ = _exported()
+    path = tmp_path / "net.pt2"
+    torch.export.save(exported, path)
+    with bridge.active():
+        code = main(["check", str(path)])
+        printed = capsys.readouterr().out
+        assert code == 0, printed
+        assert "mapped:" in printed and "aten.relu.default" in printed
+        assert "decomposed:" in printed and "aten.linear.default" in printed
+        assert main(["check", str(tmp_path / "model.onnx")]) == 2

@@ -1,0 +1,70 @@
+"""`bridge check FILE`: before running a saved graph, which of its ops the bridge runs how.
+
+Reads a `torch.export` program (`.pt2`) and lists its ATen ops by the rung of the fallback ladder
+each would take (a table entry, derived from one, decomposed into entries, or eager torch on the
+host CPU), with how many nodes call each; the graph's control flow (`torch.cond`, `map`) counts
+as translated where a rule exists. Nothing runs. Exit code 0 when every op runs on the bridge
+device, 1 when some would fall back to the CPU or cannot run.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import sys
+
+import torch
+
+# The bridge's rules for torch's higher-order ops (op_mappings/control_flow.py).
+_CONTROL_FLOW = ("cond", "map_impl")
+
+
+def _nodes(graph_module):
+    """Every call in the graph and in the graphs of its submodules (control flow's branches)."""
+    for module in graph_module.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            for node in module.graph.nodes:
+                if node.op == "call_function":
+                    yield node.target
+
+
+def census(exported: torch.export.ExportedProgram) -> dict:
+    """{status: {op name: node count}} for the program's graph."""
+    from bridge.activation import activate, is_active
+    from bridge.compat import coverage
+    from bridge.runtime.registry import MAPPINGS
+
+    if not is_active():
+        activate()  # the tables
+    counts = collections.Counter(_nodes(exported.graph_module))
+    statuses: dict = collections.defaultdict(dict)
+    for target, count in counts.items():
+        if isinstance(target, torch._ops.OpOverload):
+            status = coverage.aten_status(target, MAPPINGS, {})
+        elif isinstance(target, torch._ops.HigherOrderOperator):
+            status = "control flow (jax.lax)" if target._name in _CONTROL_FLOW else coverage.UNSUPPORTED
+        else:
+            status = "Python call (runs as it is)"
+        name = getattr(target, "__name__", None) if not isinstance(target, torch._ops.OperatorBase) else str(target)
+        statuses[status][name or str(target)] = count
+    return dict(statuses)
+
+
+def main(path: str) -> int:
+    from bridge.compat import coverage
+
+    if not os.path.exists(path):
+        print(f"bridge check: no such file: {path}", file=sys.stderr)
+        return 2
+    if not path.endswith(".pt2"):
+        print(f"bridge check: {path}: only torch.export programs (.pt2) can be read yet", file=sys.stderr)
+        return 2
+    statuses = census(torch.export.load(path))
+    for status, ops in sorted(statuses.items()):
+        print(f"{status}: {len(ops)} op(s), {sum(ops.values())} node(s)")
+        for name, count in sorted(ops.items(), key=lambda item: (-item[1], item[0])):
+            print(f"  {count:5d}  {name}")
+    stuck = sum(len(statuses.get(status, {})) for status in (coverage.CPU_FALLBACK, coverage.UNSUPPORTED))
+    if stuck:
+        print(f"bridge check: {stuck} op(s) would not run on the bridge device (above)", file=sys.stderr)
+    return 1 if stuck else 0
