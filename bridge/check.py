@@ -31,7 +31,7 @@ def _nodes(graph_module):
 def census(exported: torch.export.ExportedProgram) -> dict:
     """{status: {op name: node count}} for the program's graph."""
     from bridge.activation import activate, is_active
-    from bridge.compat import coverage
+    from bridge.runtime import ladder
     from bridge.runtime.registry import MAPPINGS
 
     if not is_active():
@@ -40,9 +40,9 @@ def census(exported: torch.export.ExportedProgram) -> dict:
     statuses: dict = collections.defaultdict(dict)
     for target, count in counts.items():
         if isinstance(target, torch._ops.OpOverload):
-            status = coverage.aten_status(target, MAPPINGS, {})
+            status = ladder.aten_status(target, MAPPINGS, {})
         elif isinstance(target, torch._ops.HigherOrderOperator):
-            status = "control flow (jax.lax)" if target._name in _CONTROL_FLOW else coverage.UNSUPPORTED
+            status = "control flow (jax.lax)" if target._name in _CONTROL_FLOW else ladder.UNSUPPORTED
         else:
             status = "Python call (runs as it is)"
         name = getattr(target, "__name__", None) if not isinstance(target, torch._ops.OperatorBase) else str(target)
@@ -51,7 +51,7 @@ def census(exported: torch.export.ExportedProgram) -> dict:
 
 
 def main(path: str) -> int:
-    from bridge.compat import coverage
+    from bridge.runtime import ladder
 
     if not os.path.exists(path):
         print(f"bridge check: no such file: {path}", file=sys.stderr)
@@ -64,7 +64,7 @@ def main(path: str) -> int:
         print(f"{status}: {len(ops)} op(s), {sum(ops.values())} node(s)")
         for name, count in sorted(ops.items(), key=lambda item: (-item[1], item[0])):
             print(f"  {count:5d}  {name}")
-    stuck = sum(len(statuses.get(status, {})) for status in (coverage.CPU_FALLBACK, coverage.UNSUPPORTED))
+    stuck = sum(len(statuses.get(status, {})) for status in (ladder.CPU_FALLBACK, ladder.UNSUPPORTED))
     if stuck:
         print(f"bridge check: {stuck} op(s) would not run on the bridge device (above)", file=sys.stderr)
     return 1 if stuck else 0
