@@ -204,3 +204,14 @@ def test_check_lists_a_saved_graph_s_ops_by_rung(tmp_path, capsys):
         assert "mapped:" in printed and "aten.relu.default" in printed
         assert "decomposed:" in printed and "aten.linear.default" in printed
         assert main(["check", str(tmp_path / "model.onnx")]) == 2
+
+
+def test_moduleinfo_modules_through_export():
+    """compat/exported.py's sweep on a few ModuleInfo modules (the whole sweep writes
+    compat/reports/exported.md): torch's outputs and written buffers, in both modes."""
+    from bridge.compat import exported
+
+    results = exported.sweep(["nn.Linear", "nn.BatchNorm2d", "nn.LSTM", "nn.MultiheadAttention", "nn.Embedding"])
+    assert {name for name, *_ in results} == {"nn.Linear", "nn.BatchNorm2d", "nn.LSTM", "nn.MultiheadAttention", "nn.Embedding"}
+    failed = [result for result in results if result[2] != exported.PASSED]
+    assert not failed, failed
