@@ -19,7 +19,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from bridge.runtime import export, random
-from bridge.runtime.tensor import BridgeTensor, read_value, to_bridge, write_value
+from bridge.runtime.tensor import BridgeTensor, numpy_to_torch, read_value, to_bridge, write_value
 
 
 class LoadedProgram:
@@ -40,17 +40,17 @@ class LoadedProgram:
         arrays = [read_value(value) if isinstance(value, BridgeTensor) else value for value in tensors]
         call_args, call_kwargs = pytree.tree_unflatten(arrays, spec)
         outputs, self.state, written = self._compiled(self.state, *call_args, key=random.next_key(), **call_kwargs)
-        for given, tensor, before, after in zip(flat, tensors, arrays, written):
-            if isinstance(tensor, BridgeTensor) and after is not before:
+        for given, tensor, after in zip(flat, tensors, written):
+            if isinstance(tensor, BridgeTensor) and after is not None:
                 if given is tensor:
                     write_value(tensor, after)
                 else:  # a host tensor the program wrote: as torch would have written it
-                    given.copy_(torch.from_numpy(np.asarray(after)))
+                    given.copy_(numpy_to_torch(np.asarray(after)))
         return pytree.tree_map(lambda leaf: BridgeTensor(leaf, 0) if isinstance(leaf, jax.Array) else leaf, outputs)
 
     def state_dict(self) -> dict:
         """The program's current state as torch CPU tensors (loads into the exported module)."""
-        return {name: torch.from_numpy(np.array(value)) for name, value in self.state.items()}
+        return {name: numpy_to_torch(np.array(value)) for name, value in self.state.items()}
 
 
 def _on_host(value: Any) -> bool:

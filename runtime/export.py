@@ -12,8 +12,9 @@ was given) and returned, so nothing is dropped.
 
 `state` maps the program's parameter, buffer and constant names (its state_dict's and its
 constants' keys) to arrays; `new_state` is `state` with every buffer the graph wrote replaced;
-`new_inputs` holds the user inputs (flattened as the program flattens them) with those it wrote
-replaced. The function is jit-able and differentiable (`jax.grad` over `state`).
+`new_inputs` has, for each user input (flattened as the program flattens them), its new value
+where the graph wrote it and None where it did not. The function is jit-able and differentiable
+(`jax.grad` over `state`); a `key=` argument seeds the graph's random ops.
 """
 
 from __future__ import annotations
@@ -115,7 +116,7 @@ def to_jax(exported: torch.export.ExportedProgram) -> tuple[Callable, dict]:
             random.swap_key(saved_key)
         outputs = [outputs[position] for position in signature.user_outputs]
         arrays = [read_value(out) if isinstance(out, BridgeTensor) else out for out in outputs]
-        new_state, new_inputs = dict(state), list(flat)
+        new_state, new_inputs = dict(state), [None] * len(flat)
         for (source, which), tensor, before in zip(signature.placeholders, tensors, given):
             if isinstance(tensor, BridgeTensor) and (tensor._value is not before or tensor._root is not None):
                 value = read_value(tensor)
