@@ -29,7 +29,7 @@ JAX = release(jax.__version__)
 
 # Operators the tables name that some supported torch lacks: the release that added the op,
 # or, where it was removed, the release that removed it. An op the installed torch lacks and that
-# is not listed here is a typo in a table (tests/test_versions.py checks it).
+# is not listed here is a typo in a table (tests/test_install.py checks it).
 OPS_ADDED = {}
 OPS_REMOVED = {
     "aten.cholesky": (2, 14),  # torch.cholesky was deprecated in favour of torch.linalg.cholesky
