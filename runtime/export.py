@@ -82,7 +82,8 @@ def _on_bridge_device(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModul
         if any(isinstance(arg, torch.fx.Node) for arg in pytree.tree_leaves((node.args, node.kwargs))):
             node.kwargs = {**node.kwargs, "device": None}
             continue
-        node.kwargs = {**node.kwargs, "device": torch.device("cpu")}
+        # (a string: torch 2.13's code generation names a torch.device it cannot find)
+        node.kwargs = {**node.kwargs, "device": "cpu"}
         with graph.inserting_after(node):
             moved = graph.call_method("to", (node, settings.device_type))
         node.replace_all_uses_with(moved, delete_user_cb=lambda user: user is not moved)
