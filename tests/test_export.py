@@ -17,6 +17,16 @@ from bridge.runtime import export
 RTOL, ATOL = 1e-5, 1e-6
 
 
+@pytest.fixture(autouse=True)
+def _distribution_validation_kept():
+    """torch.export can start Dynamo, whose first start turns torch.distributions' argument
+    validation off for the whole process (torch 2.13's TorchPatcher); later tests in the same
+    process rely on it."""
+    validating = torch.distributions.Distribution._validate_args
+    yield
+    torch.distributions.Distribution.set_default_validate_args(validating)
+
+
 class Net(torch.nn.Module):
     """A linear layer, BatchNorm (its running statistics are written in training mode) and a
     user input written in place."""
