@@ -21,7 +21,11 @@ except ImportError:  # pragma: no cover
 
 
 def _arrays(values):
-    return [read_value(to_bridge(value) if isinstance(value, torch.Tensor) and not isinstance(value, BridgeTensor) else value) for value in values]
+    """The arrays of the operands: a host tensor (a constant the graph closed over) is copied."""
+    return [
+        read_value(value if isinstance(value, BridgeTensor) else to_bridge(value)) if isinstance(value, torch.Tensor) else value
+        for value in values
+    ]
 
 
 def _traced(function, index):

@@ -413,7 +413,7 @@ class Program:
     primal: object = None  # jitted: the differentiable body's outputs only
     infer: object = None  # jitted, no autograd
     index: int = 0
-    body: object = None  # the traced Python body (_TracedBody)
+    body: object = None  # the traced Python body (_trace_body; its `traced` is its last trace's record)
     traced: "Traced" = None  # what the first trace of the body learned, set by Region._compile
     differentiable: object = None  # the body as a function of the differentiated values
     fused: object = None  # jitted: forward and the gradients of one scalar output
@@ -439,8 +439,8 @@ class Program:
 @dataclasses.dataclass(frozen=True)
 class Traced:
     """What a trace of a region's body learned about its call: the output structure, which
-    state it writes, what it needed on the host. The trace returns it (_TracedBody.traced); the
-    program keeps the first."""
+    state it writes, what it needed on the host. Each trace leaves it as the body's `traced`
+    (_trace_body); the program keeps the first."""
 
     out_spec: object  # pytree spec of the region's result
     out_statics: tuple  # the result's non-tensor leaves, tensors as None, carried objects as _CarriedOut

@@ -193,14 +193,10 @@ def _shaped(key, arrays):
     return key, tuple((array.shape, array.dtype) for array in arrays)
 
 
-UNDECLARED_READS = set()  # ops whose entry read the precision settings without declaring it
-
-
 def _undeclared(op):
     """An entry read torch's precision settings and its registration does not say so (reads=):
     its programs are keyed on them from now on, as if it had. The suite makes this an error
     (BRIDGE_CHECK_FACTS=1), so that a registration's facts stay complete."""
-    UNDECLARED_READS.add(op)
     if settings.check_facts:
         raise MappingMismatchError(
             f"the mapping of {op} reads torch's precision settings, and its register_mapping does not declare "

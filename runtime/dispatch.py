@@ -110,9 +110,10 @@ def _unwrap(value, index, func=None):
 
 # torch refuses an op between a tensor on the GPU and one on the host ("Expected all tensors to
 # be on the same device"), except a 0-dim host tensor (a scalar), the indices of indexing, and
-# the copies that move data between devices (registrations declare them: host_tensors=). A bridge tensor is a CPU tensor to torch's C++
-# core, so tensors that C++ code makes "like" it are host tensors: backward formulas do
-# (`at::zeros(sizes, grad.options())`), and so do a few forward composites (one_hot's arange).
+# the copies that move data between devices (their registrations say host_tensors=True). A
+# bridge tensor is a CPU tensor to torch's C++ core, so tensors that C++ code makes "like" it
+# are host tensors: backward formulas do (`at::zeros(sizes, grad.options())`), and so do a few
+# forward composites (one_hot's arange).
 # Those are not the script's mixing: autograd's are let through (a backward node is running,
 # or forward-mode AD's formulas are), and so are those of the forward composites listed in
 # bridge/patches/composites.py.

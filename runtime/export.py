@@ -119,14 +119,13 @@ def to_jax(exported: torch.export.ExportedProgram) -> tuple[Callable, dict]:
         arrays = [read_value(out) if isinstance(out, BridgeTensor) else out for out in outputs]
         new_state, new_inputs = dict(state), [None] * len(flat)
         for (source, which), tensor, before in zip(signature.placeholders, tensors, given):
-            if isinstance(tensor, BridgeTensor) and (tensor._value is not before or tensor._root is not None):
-                value = read_value(tensor)
-                if value is before:
-                    continue
-                if source == "state":
-                    new_state[which] = value
-                else:
-                    new_inputs[which] = value
+            value = read_value(tensor) if isinstance(tensor, BridgeTensor) else before
+            if value is before:
+                continue
+            if source == "state":
+                new_state[which] = value
+            else:
+                new_inputs[which] = value
         return pytree.tree_unflatten(arrays, signature.out_spec), new_state, new_inputs
 
     return function, initial_state(exported)

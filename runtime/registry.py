@@ -307,13 +307,17 @@ def register_traits(
                 )
 
 
+_NO_FACTS = Traits()
+
+
+def _facts(op: OpOverload) -> Any:
+    """The record that holds `op`'s facts: its Mapping, else its Traits, else one with none."""
+    return MAPPINGS.get(op) or OP_TRAITS.get(op, _NO_FACTS)
+
+
 def meta_of(op: OpOverload) -> Meta:
     """What torch's meta kernel cannot be trusted for in `op` (see `Meta`), mapped or not."""
-    mapping = MAPPINGS.get(op)
-    if mapping is not None:
-        return mapping.meta
-    traits = OP_TRAITS.get(op)
-    return None if traits is None else traits.meta
+    return _facts(op).meta
 
 
 # Entries for operators of other libraries (`transformers::grouped_mm_fallback`), by qualified
@@ -344,17 +348,12 @@ def mapping_of(op: OpOverload) -> Optional[Mapping]:
 
 def takes_host_tensors(op: OpOverload) -> bool:
     """Whether `op` takes host tensors beside bridge tensors (see Mapping.host_tensors)."""
-    record = MAPPINGS.get(op) or OP_TRAITS.get(op)
-    return record is not None and record.host_tensors
+    return _facts(op).host_tensors
 
 
 def takes_torch_gradient(op: OpOverload) -> bool:
     """Whether `op` takes torch's derivative formula inside differentiated captured regions."""
-    mapping = MAPPINGS.get(op)
-    if mapping is not None:
-        return mapping.gradient == "torch"
-    traits = OP_TRAITS.get(op)
-    return traits is not None and traits.gradient == "torch"
+    return _facts(op).gradient == "torch"
 
 
 def _differentiate_as_torch(inner: Callable, vjp: Vjp) -> Callable:
