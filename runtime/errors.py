@@ -40,6 +40,16 @@ class GraphBreak(BridgeError):
         self.site = site
 
 
+class SavedModelError(BridgeError):
+    """A saved model cannot be read: the file does not exist, is truncated or corrupt, or is not
+    the kind of file its name says."""
+
+
+class TranslationError(BridgeError):
+    """A node of a whole graph (a TorchScript graph) has no translation to the bridge: the
+    message names the file, the node and its source line."""
+
+
 class BridgeWarning(UserWarning):
     """Base class of the bridge's warnings."""
 
@@ -54,6 +64,6 @@ class MappingDtypeWarning(BridgeWarning):
 
 # Users meet these as bridge.<Name> (tracebacks print the module).
 for _error in (BridgeError, UnsupportedOpError, MappingMismatchError, DeviceError, ActivationError,
-               UnsupportedVersionError, GraphBreak,
+               UnsupportedVersionError, GraphBreak, SavedModelError, TranslationError,
                BridgeWarning, CPUFallbackWarning, MappingDtypeWarning):
     _error.__module__ = "bridge"

@@ -19,9 +19,10 @@ where the graph wrote it and None where it did not. The function is jit-able and
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import jax
 import torch
@@ -64,8 +65,39 @@ def _signature(exported: torch.export.ExportedProgram) -> Signature:
 
 def initial_state(exported: torch.export.ExportedProgram) -> dict:
     """The program's parameters, buffers and constants as JAX arrays on the first bridge device."""
-    tensors = {**exported.state_dict, **exported.constants}
+    return arrays_of({**exported.state_dict, **exported.constants})
+
+
+def arrays_of(tensors: dict) -> dict:
+    """{name: jax.Array} on the first bridge device for the torch tensors among `tensors`' values."""
     return {name: read_value(to_bridge(tensor.detach().cpu())) for name, tensor in tensors.items() if isinstance(tensor, torch.Tensor)}
+
+
+@contextlib.contextmanager
+def graph_trace(key: Optional[jax.Array]) -> Iterator[None]:
+    """Runs a whole graph's ATen calls (on bridge tensors holding tracers) as one trace: the
+    graph's random ops draw from `key`, autograd records nothing (`jax.grad` differentiates the
+    function), and the tables know that they are tracing. TorchScript's translator shares it."""
+    saved_key = random.swap_key(jax.random.key(0) if key is None else key)
+    settings.tracing += 1
+    outer_for_grad, settings.tracing_for_grad = settings.tracing_for_grad, False
+    try:
+        with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
+            yield
+    finally:
+        settings.tracing -= 1
+        settings.tracing_for_grad = outer_for_grad
+        random.swap_key(saved_key)
+
+
+def written(tensors: Sequence[Any], given: Sequence[Any]) -> list:
+    """For each of the graph's inputs (bridge tensors made from the arrays in `given`), its value
+    after the graph ran where the graph wrote it in place, else None."""
+    values = []
+    for tensor, before in zip(tensors, given):
+        value = read_value(tensor) if isinstance(tensor, BridgeTensor) else before
+        values.append(None if value is before else value)
+    return values
 
 
 def _on_bridge_device(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -105,22 +137,13 @@ def to_jax(exported: torch.export.ExportedProgram) -> tuple[Callable, dict]:
             value = state[which] if source == "state" else flat[which]
             tensors.append(BridgeTensor(value, 0) if isinstance(value, jax.Array) else value)
         given = [tensor._value if isinstance(tensor, BridgeTensor) else None for tensor in tensors]
-        saved_key = random.swap_key(jax.random.key(0) if key is None else key)
-        settings.tracing += 1
-        outer_for_grad, settings.tracing_for_grad = settings.tracing_for_grad, False
-        try:
-            with torch.no_grad(), torch._C._AutoDispatchBelowAutograd():
-                outputs = graph(*tensors)
-        finally:
-            settings.tracing -= 1
-            settings.tracing_for_grad = outer_for_grad
-            random.swap_key(saved_key)
+        with graph_trace(key):
+            outputs = graph(*tensors)
         outputs = [outputs[position] for position in signature.user_outputs]
         arrays = [read_value(out) if isinstance(out, BridgeTensor) else out for out in outputs]
         new_state, new_inputs = dict(state), [None] * len(flat)
-        for (source, which), tensor, before in zip(signature.placeholders, tensors, given):
-            value = read_value(tensor) if isinstance(tensor, BridgeTensor) else before
-            if value is before:
+        for (source, which), value in zip(signature.placeholders, written(tensors, given)):
+            if value is None:
                 continue
             if source == "state":
                 new_state[which] = value
