@@ -19,6 +19,7 @@ SURFACES = (
     "bridge.patches.capture",
     "bridge.patches.composites",
     "bridge.patches.errors",
+    "bridge.patches.distributed",
 )
 
 _PLATFORMS = {"auto": None, "cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}
@@ -63,6 +64,9 @@ def activate(device: str = "auto", strict: bool = False, check_signatures: bool 
     import bridge.op_mappings  # noqa: F401  (registers the tables)
     import torch
 
+    from bridge.patches import distributed
+
+    distributed.join_launched_processes(_PLATFORMS[device])  # before JAX starts its devices
     if _PLATFORMS[device] is not None:
         # Found now, not at the script's first use of the device (after torch.cuda.is_available()
         # had said True): a platform JAX does not have here raises DeviceError naming it.

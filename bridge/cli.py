@@ -50,6 +50,16 @@ def _parser():
             "(default: $BRIDGE_MODE, else captured)"
         ),
     )
+    run.add_argument(
+        "--nproc-per-node",
+        type=int,
+        default=1,
+        metavar="N",
+        help=(
+            "start N processes of the script on this host, as torchrun does (RANK, LOCAL_RANK, WORLD_SIZE, "
+            "MASTER_ADDR and MASTER_PORT set for torch.distributed), each driving one device"
+        ),
+    )
     run.add_argument("script", help="the Python script to run")
     run.add_argument("args", nargs=argparse.REMAINDER, help="the script's own arguments")
     compare = commands.add_parser(
@@ -99,6 +109,9 @@ def run_script(script, args, report=None, strict=False, quiet=False, device="aut
     if not os.path.exists(path):
         print(f"bridge: can't open file {script!r}: no such file", file=sys.stderr)
         return 2
+    if report and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        stem, extension = os.path.splitext(report)
+        report = f"{stem}.rank{os.environ.get('RANK', '0')}{extension}"
     problem = report and run_report.unwritable(report)
     if problem:
         print(f"bridge: --report {report}: {problem}", file=sys.stderr)
@@ -123,6 +136,27 @@ def run_script(script, args, report=None, strict=False, quiet=False, device="aut
         sys.stdout.flush()
         run_report.finish(report, quiet)
     return code
+
+
+def launch(options):
+    """`run --nproc-per-node N`: torchrun's launcher starts N processes of `bridge run SCRIPT`, on
+    a free port of this host; a process that fails stops the others, and the exit code says so."""
+    from torch.distributed import run as torchrun
+
+    own = ["run", "--device", options.device]
+    own += ["--strict"] * options.strict + ["--quiet"] * options.quiet
+    own += ["--mode", options.mode] if options.mode else []
+    own += ["--report", options.report] if options.report else []  # one file per rank (run_script)
+    command = ["--standalone", f"--nproc-per-node={options.nproc_per_node}", "-m", "bridge", *own,
+               options.script, *options.args]
+    try:
+        torchrun.main(command)
+    except SystemExit as exit_request:
+        return _exit_code(exit_request)
+    except Exception as error:  # torchrun's ChildFailedError: it has printed which rank failed and why
+        print(f"bridge: {type(error).__name__}: one or more processes failed (above)", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _exit_code(exit_request):
@@ -155,6 +189,8 @@ def main(argv=None):
         # Its options belong to compat.coverage (argparse's REMAINDER would refuse a leading --flag).
         return _coverage(argv[1:])
     options = _parser().parse_args(argv)
+    if options.command == "run" and options.nproc_per_node > 1:
+        return launch(options)
     if options.command == "run":
         return run_script(
             options.script,

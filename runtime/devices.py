@@ -28,11 +28,29 @@ def backend_devices():
     return backend_devices_of(settings.platform or jax.default_backend())
 
 
+# In a run of several processes (torch.distributed), each process owns one device: the one of
+# its local rank, as `torch.cuda.set_device(local_rank)` makes it in torch. Ordinals still
+# count the host's devices (`device_count()` is the number of processes on this host).
+_process_device: list = [None]  # (local rank, local size) once joined
+
+
+def own_one_device(local_rank, local_size):
+    _process_device[0] = (local_rank, local_size)
+    _deferred_checks[0] = 0
+    _current[0] = local_rank
+
+
 def device_count():
+    if _process_device[0] is not None:
+        return _process_device[0][1]
+    if _deferred_checks[0]:
+        return _deferred_checks[0]
     return len(backend_devices())
 
 
 def jax_device(index):
+    if _process_device[0] is not None:
+        return _process_jax_device(index)
     devices = backend_devices()
     if not 0 <= index < len(devices):
         raise DeviceError(
@@ -76,8 +94,39 @@ def current_index():
 
 
 def set_current_index(index):
-    jax_device(index)  # validates the ordinal
+    if not _deferred_checks[0]:
+        jax_device(index)  # validates the ordinal
     _current[0] = index
+
+
+# A process started by torch.multiprocessing.spawn under the bridge calls set_device(rank) before
+# init_process_group: JAX must not start its devices yet (the processes join first), so the
+# ordinal is checked when they have joined. Holds the host's device count meanwhile.
+_deferred_checks = [0]
+
+
+def defer_checks(host_device_count):
+    _deferred_checks[0] = host_device_count
+
+
+def first_device():
+    """The device of programs that are on no tensor's device (the RNG key): ordinal 0's, or in a
+    run of several processes, this process's own."""
+    if _process_device[0] is not None:
+        return jax.local_devices(backend=settings.platform)[0]
+    return jax_device(0)
+
+
+def _process_jax_device(index):
+    local_rank, local_size = _process_device[0]
+    if index != local_rank:
+        raise DeviceError(
+            f"device ordinal {index} was requested in the process of local rank {local_rank}; in a "
+            f"run of several processes each drives one device, that of its local rank "
+            f"(cuda:{local_rank} here; {local_size} process(es) on this host). Use "
+            f"torch.device('cuda', local_rank), as torch.cuda.set_device(local_rank) sets it"
+        )
+    return jax.local_devices(backend=settings.platform)[0]
 
 
 def put(array, index):

@@ -369,6 +369,11 @@ def _make_plan(func):
         stats.op_rung[func] = stats.MAPPED
         stats.op_family[func] = "shapes"
         return plan
+    if func.namespace == "c10d":
+        plan = _plans[func] = _collective_plan(func)
+        stats.op_rung[func] = stats.MAPPED
+        stats.op_family[func] = "distributed"
+        return plan
     mapping = mapping_of(func)
     schema = func._schema
     if mapping is not None:
@@ -413,6 +418,18 @@ def _make_plan(func):
     _plans[func] = plan
     stats.op_rung[func] = rung
     stats.op_family[func] = mapping.family if mapping is not None else None
+    return plan
+
+
+def _collective_plan(func):
+    """torch.distributed's ops (c10d::allreduce_ and kin) carry their process group: their CPU
+    kernel hands the tensors as they are to the group's backend, which under the bridge is the
+    bridge's (bridge/patches/distributed.py) and runs the collective on the device."""
+    kernel = functools.partial(func._op_dk, torch._C.DispatchKey.CPU)
+
+    def plan(args, kwargs):
+        return kernel(*args, **kwargs)
+
     return plan
 
 

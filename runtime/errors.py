@@ -40,6 +40,15 @@ class GraphBreak(BridgeError):
         self.site = site
 
 
+class DistributedError(BridgeError):
+    """torch.distributed cannot run as the script asks (joining the processes, a collective's
+    arguments, an unsupported feature)."""
+
+
+class DistributedTimeoutError(DistributedError):
+    """A collective's peers did not all arrive within the process group's timeout."""
+
+
 class SavedModelError(BridgeError):
     """A saved model cannot be read: the file does not exist, is truncated or corrupt, or is not
     the kind of file its name says."""
@@ -48,6 +57,20 @@ class SavedModelError(BridgeError):
 class TranslationError(BridgeError):
     """A node of a whole graph (a TorchScript graph) has no translation to the bridge: the
     message names the file, the node and its source line."""
+
+
+class UnsupportedOnnxOpError(UnsupportedOpError):
+    """A node of an ONNX model has an op with no entry in the bridge's ONNX table and no function
+    definition in the ONNX standard: the message names the file, the node and its op."""
+
+
+class UnsupportedOpsetError(BridgeError):
+    """An ONNX model uses an ai.onnx opset outside those the bridge's ONNX table serves."""
+
+
+class DataDependentShapeError(BridgeError):
+    """A whole graph needs a value while it is traced (a shape, axes) that is computed from its
+    inputs on the device: XLA fixes shapes before the program runs."""
 
 
 class BridgeWarning(UserWarning):
@@ -65,5 +88,6 @@ class MappingDtypeWarning(BridgeWarning):
 # Users meet these as bridge.<Name> (tracebacks print the module).
 for _error in (BridgeError, UnsupportedOpError, MappingMismatchError, DeviceError, ActivationError,
                UnsupportedVersionError, GraphBreak, SavedModelError, TranslationError,
+               UnsupportedOnnxOpError, UnsupportedOpsetError, DataDependentShapeError, DistributedError, DistributedTimeoutError,
                BridgeWarning, CPUFallbackWarning, MappingDtypeWarning):
     _error.__module__ = "bridge"

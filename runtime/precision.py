@@ -60,4 +60,4 @@ def conv_channels_last() -> bool:
     """
     if settings.conv_channels_last is not None:
         return settings.conv_channels_last
-    return devices.jax_device(0).platform == "gpu"
+    return devices.first_device().platform == "gpu"

@@ -31,10 +31,10 @@ def _seeded_key():
 
 
 def _placed(key):
-    """The key on the first bridge device, committed there, as the captured programs that take
+    """The key on the first bridge device (devices.first_device), committed there, as the captured programs that take
     and return it leave it: an uncommitted first key made the first program compile again on
     its second call."""
-    return jax.device_put(key, devices.jax_device(0))
+    return jax.device_put(key, devices.first_device())
 
 
 def current_key():

@@ -177,7 +177,7 @@ def module_call(wrapped, instance, args, kwargs):
         not settings.capture
         or capture.tracing_or_learning()
         or instance is None
-        or type(instance) is CompiledModule
+        or getattr(type(instance), "bridge_wraps_region", False)
         or not _has_bridge_tensor(args, kwargs)
         or _global_hooks()
     ):
@@ -213,6 +213,8 @@ def _apply(cls, *args, **kwargs):
 class CompiledModule(torch.nn.Module):
     """What `torch.compile(module)` returns under the bridge: like torch's OptimizedModule, it
     holds the module as `_orig_mod` (so state_dict keys match torch's) and runs it captured."""
+
+    bridge_wraps_region = True  # module_call leaves it to its forward, which runs the region
 
     def __init__(self, module, fullgraph):
         super().__init__()

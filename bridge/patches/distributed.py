@@ -1,0 +1,511 @@
+"""torch.distributed under the bridge: a process-group backend whose collectives run on JAX
+(runtime/distributed.py), `init_process_group("nccl" | "gloo" | ...)` served by it, the
+processes joined through `jax.distributed`, and DistributedDataParallel for bridge modules.
+
+Scripts keep their backend names: "nccl", "gloo" and "cuda:nccl,cpu:gloo" are served by the
+backend registered here as "bridge" (NCCL between GPUs and gloo between CPUs are what XLA's
+collectives use underneath), and `dist.get_backend()` still answers the name the script gave.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.parallel
+import torch.nn.parallel.distributed
+from torch._C import _distributed_c10d as c10d
+from torch.utils import _pytree as pytree
+
+from bridge.runtime import devices
+from bridge.runtime import distributed as collectives
+from bridge.runtime.callsite import user_call_site
+from bridge.runtime.config import settings
+from bridge.runtime.dtypes import TORCH_TO_JAX
+from bridge.runtime.errors import DistributedError
+from bridge.runtime.tensor import BridgeTensor, numpy_to_torch, read_value, read_values, torch_to_numpy, write_value
+
+from . import Patch, collect, wrap
+
+BACKEND = "bridge"
+# The backend names a script may ask for, all served by the bridge's backend.
+_SERVED = ("nccl", "gloo", "cuda:nccl,cpu:gloo", "cpu:gloo,cuda:nccl", BACKEND)
+_requested: dict = {}  # process group -> the backend name the script asked for
+
+
+# ---------------------------------------------------------------- joining the processes
+
+
+def join_launched_processes(platform) -> None:
+    """Join the other processes now if a launcher (torchrun, `bridge run --nproc-per-node`)
+    started this one: JAX must join before it starts its devices, and scripts often put tensors
+    on their device (`torch.cuda.set_device(local_rank)`, a model's `.to`) before
+    `init_process_group`."""
+    launched = collectives.launched_environment()
+    if launched is None or launched["size"] < 2 or collectives.world() is not None:
+        return
+    _start(launched["rank"], launched["size"], launched["local_rank"], launched["local_size"], launched["master"],
+           _timeout_seconds(None), platform)
+
+
+def _start(rank, size, local_rank, local_size, master, timeout_seconds, platform):
+    collectives.start(rank, size, local_rank, local_size, collectives.coordinator_address(master), platform,
+                      timeout_seconds)
+    devices.own_one_device(local_rank, local_size)
+
+
+def _timeout_seconds(timeout) -> float:
+    if timeout is None:
+        return float(os.environ.get("BRIDGE_DISTRIBUTED_TIMEOUT", 600))
+    return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
+
+
+def _master(init_method) -> tuple[str, int]:
+    if init_method and init_method.startswith("tcp://"):
+        host, port = init_method[len("tcp://"):].split("?")[0].rsplit(":", 1)
+        return host, int(port)
+    if init_method and not init_method.startswith("env://"):
+        if os.environ.get("BRIDGE_COORDINATOR"):
+            return ("", 0)  # the coordinator is named outright
+        raise DistributedError(
+            f"init_process_group(init_method={init_method!r}) at {user_call_site()}: the bridge joins "
+            "processes through JAX's coordination service, which needs a host and a port: use "
+            "init_method='tcp://host:port' or 'env://' (MASTER_ADDR, MASTER_PORT), or set "
+            "BRIDGE_COORDINATOR=host:port for it"
+        )
+    try:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    except KeyError as missing:
+        raise DistributedError(
+            f"init_process_group at {user_call_site()}: the environment variable {missing} is not set; "
+            "start the script with torchrun (or `python -m bridge run --nproc-per-node N`), or set "
+            "MASTER_ADDR and MASTER_PORT as torch's env:// initialization needs"
+        ) from None
+
+
+@wrap(dist, "init_process_group")
+def init_process_group(wrapped, instance, args, kwargs):
+    return _init_process_group(wrapped, args, kwargs)
+
+
+@wrap(dist.distributed_c10d, "init_process_group")
+def c10d_init_process_group(wrapped, instance, args, kwargs):
+    return _init_process_group(wrapped, args, kwargs)
+
+
+def _init_process_group(wrapped, args, kwargs):
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    arguments = bound.arguments
+    requested = arguments.get("backend")
+    name = str(requested).lower() if requested is not None else "nccl"
+    if name not in _SERVED:
+        raise DistributedError(
+            f"init_process_group(backend={requested!r}) at {user_call_site()}: under the bridge the "
+            f"collectives run on JAX, which serves {', '.join(repr(n) for n in _SERVED[:3])}; pass one of "
+            "those (the script's tensors live on the bridge device)"
+        )
+    arguments["backend"] = BACKEND
+    launched = collectives.launched_environment() or {}
+    rank = arguments.get("rank", -1)
+    rank = launched.get("rank", 0) if rank is None or rank < 0 else rank
+    size = arguments.get("world_size", -1)
+    size = launched.get("size", 1) if size is None or size < 0 else size
+    timeout = arguments.get("timeout")
+    if size > 1 and collectives.world() is None:
+        local_rank = launched.get("local_rank")
+        if local_rank is None:
+            # Started by torch.multiprocessing.spawn: one host, the device the script set.
+            local_rank = devices.current_index() if devices.current_index() != 0 else rank
+        _start(rank, size, local_rank, launched.get("local_size", size), _master(arguments.get("init_method")),
+               _timeout_seconds(timeout), settings.platform)
+    elif size > 1 and (collectives.world().rank, collectives.world().size) != (rank, size):
+        joined = collectives.world()
+        raise DistributedError(
+            f"init_process_group(rank={rank}, world_size={size}) at {user_call_site()}: this process "
+            f"already joined as rank {joined.rank} of {joined.size} (from the launcher's RANK and "
+            "WORLD_SIZE); pass the same numbers, or none"
+        )
+    result = wrapped(**arguments)
+    _requested[dist.GroupMember.WORLD] = name
+    return result
+
+
+@wrap(dist, "get_backend")
+def get_backend(wrapped, instance, args, kwargs):
+    name = wrapped(*args, **kwargs)
+    if name != BACKEND:
+        return name
+    return _requested.get(dist.GroupMember.WORLD, "nccl")
+
+
+@wrap(dist.distributed_c10d, "get_backend")
+def c10d_get_backend(wrapped, instance, args, kwargs):
+    return get_backend(wrapped, instance, args, kwargs)
+
+
+# ---------------------------------------------------------------- the backend
+
+
+class _Done(dist._Work):
+    """A collective's handle. JAX orders every later use of the results after the collective, so
+    `wait()` has nothing to wait for; `get_future()` holds the results."""
+
+    def __init__(self, results=None):
+        super().__init__()
+        self._results = results
+
+    def wait(self, timeout=datetime.timedelta(0)):
+        return True
+
+    def is_completed(self):
+        return True
+
+    def get_future(self):
+        future = torch.futures.Future()
+        future.set_result(self._results)
+        return future
+
+
+_REDUCTIONS = {
+    dist.ReduceOp.SUM: "SUM", dist.ReduceOp.AVG: "AVG", dist.ReduceOp.PRODUCT: "PRODUCT",
+    dist.ReduceOp.MIN: "MIN", dist.ReduceOp.MAX: "MAX", dist.ReduceOp.BAND: "BAND",
+    dist.ReduceOp.BOR: "BOR", dist.ReduceOp.BXOR: "BXOR", dist.ReduceOp.PREMUL_SUM: "PREMUL_SUM",
+}
+
+
+def _reduction(operation) -> tuple[str, Any]:
+    kind = getattr(operation, "op", operation)
+    for known, name in _REDUCTIONS.items():
+        if kind == known:
+            if name == "PREMUL_SUM":
+                raise DistributedError(
+                    f"ReduceOp.PREMUL_SUM at {user_call_site()}: its factor is not readable from Python; "
+                    "multiply the tensor by the factor and all_reduce with ReduceOp.SUM"
+                )
+            return name, None
+    raise DistributedError(f"unknown ReduceOp {operation!r} at {user_call_site()}")
+
+
+def _array(tensor: torch.Tensor) -> jax.Array:
+    if isinstance(tensor, BridgeTensor):
+        return read_value(tensor)
+    return jax.device_put(torch_to_numpy(tensor.detach()), collectives.local_device())
+
+
+def _write(tensor: torch.Tensor, value: jax.Array) -> None:
+    if isinstance(tensor, BridgeTensor):
+        write_value(tensor, value.astype(TORCH_TO_JAX[tensor.dtype]))
+    else:
+        with torch.no_grad():
+            tensor.copy_(numpy_to_torch(np.array(value)))
+
+
+class BridgeBackend(c10d.Backend):
+    """torch.distributed's backend for a process group, collectives on JAX. Bridge tensors reach
+    it as they are (their data stays on the device); host tensors (object collectives, a
+    gloo-style CPU tensor) are moved to this process's device for the collective and back."""
+
+    def __init__(self, options, backend_options=None):
+        super().__init__(options.group_rank, options.group_size)
+        ranks = tuple(options.global_ranks_in_group) or tuple(range(options.group_size))
+        self.group = ranks
+        self.timeout = options.timeout.total_seconds() if options.timeout else _timeout_seconds(None)
+
+    def getBackendName(self):
+        return BACKEND
+
+    def _meet(self, name):
+        if len(self.group) > 1:
+            collectives.meet(self.group, name, self.timeout, user_call_site())
+
+    def allreduce(self, tensors, options):
+        self._meet("all_reduce")
+        reduction, factor = _reduction(options.reduceOp)
+        for tensor, value in zip(tensors, collectives.all_reduce([_array(t) for t in tensors], self.group,
+                                                                 reduction, factor)):
+            _write(tensor, value)
+        return _Done(tensors)
+
+    def allreduce_coalesced(self, tensors, options):
+        return self.allreduce(tensors, options)
+
+    def broadcast(self, tensors, options):
+        self._meet("broadcast")
+        for tensor, value in zip(tensors, collectives.broadcast([_array(t) for t in tensors], self.group,
+                                                                options.rootRank)):
+            _write(tensor, value)
+        return _Done(tensors)
+
+    def allgather(self, output_lists, inputs, options):
+        self._meet("all_gather")
+        for outputs, tensor in zip(output_lists, inputs):
+            gathered = collectives.all_gather(_array(tensor), self.group)
+            for index, output in enumerate(outputs):
+                _write(output, gathered[index])
+        return _Done(output_lists)
+
+    def all_gather_single(self, output, tensor, options):
+        self._meet("all_gather_into_tensor")
+        gathered = collectives.all_gather(_array(tensor), self.group)
+        _write(output, gathered.reshape(output.shape))
+        return _Done([output])
+
+    def _allgather_base(self, output, tensor, options):
+        return self.all_gather_single(output, tensor, options)
+
+    def reduce_scatter(self, outputs, input_lists, options):
+        self._meet("reduce_scatter")
+        reduction, factor = _reduction(options.reduceOp)
+        for output, inputs in zip(outputs, input_lists):
+            stacked = jnp.stack([_array(tensor) for tensor in inputs])
+            _write(output, collectives.reduce_scatter(stacked, self.group, reduction, factor))
+        return _Done(outputs)
+
+    def reduce_scatter_single(self, output, tensor, options):
+        self._meet("reduce_scatter_tensor")
+        reduction, factor = _reduction(options.reduceOp)
+        value = _array(tensor)
+        stacked = value.reshape((len(self.group),) + tuple(output.shape))
+        _write(output, collectives.reduce_scatter(stacked, self.group, reduction, factor))
+        return _Done([output])
+
+    def _reduce_scatter_base(self, output, tensor, options):
+        return self.reduce_scatter_single(output, tensor, options)
+
+    def all_to_all_single(self, output, tensor, output_splits, input_splits, options):
+        size = len(self.group)
+        if (output_splits and len(set(output_splits)) > 1) or (input_splits and len(set(input_splits)) > 1):
+            raise DistributedError(
+                f"all_to_all_single with uneven split sizes ({list(input_splits)} -> {list(output_splits)}) at "
+                f"{user_call_site()}: the bridge's all_to_all sends equal chunks; pad the chunks to one size"
+            )
+        self._meet("all_to_all_single")
+        value = _array(tensor)
+        stacked = value.reshape((size, value.shape[0] // size) + tuple(value.shape[1:]))
+        _write(output, collectives.all_to_all(stacked, self.group).reshape(output.shape))
+        return _Done([output])
+
+    def alltoall_base(self, output, tensor, output_splits, input_splits, options):
+        return self.all_to_all_single(output, tensor, output_splits, input_splits, options)
+
+    def alltoall(self, outputs, inputs, options):
+        if len({tuple(t.shape) for t in inputs}) > 1:
+            raise DistributedError(
+                f"all_to_all with tensors of different shapes at {user_call_site()}: the bridge's all_to_all "
+                "sends equal chunks; pad them to one shape"
+            )
+        self._meet("all_to_all")
+        received = collectives.all_to_all(jnp.stack([_array(tensor) for tensor in inputs]), self.group)
+        for index, output in enumerate(outputs):
+            _write(output, received[index])
+        return _Done(outputs)
+
+    def barrier(self, options=None):
+        self._meet("barrier")
+        return _Done()
+
+    def reduce(self, tensors, options):
+        self._meet("reduce")
+        reduction, factor = _reduction(options.reduceOp)
+        results = collectives.all_reduce([_array(t) for t in tensors], self.group, reduction, factor)
+        if self.rank() == options.rootRank:
+            for tensor, value in zip(tensors, results):
+                _write(tensor, value)
+        return _Done(tensors)
+
+    def gather(self, output_lists, inputs, options):
+        self._meet("gather")
+        gathered = collectives.all_gather(_array(inputs[0]), self.group)
+        if self.rank() == options.rootRank:
+            for index, output in enumerate(output_lists[0]):
+                _write(output, gathered[index])
+        return _Done(output_lists)
+
+    def scatter(self, outputs, input_lists, options):
+        self._meet("scatter")
+        output = outputs[0]
+        if self.rank() == options.rootRank:
+            stacked = jnp.stack([_array(tensor) for tensor in input_lists[0]])
+        else:  # what the root sends: a placeholder of its shape here
+            stacked = jnp.zeros((len(self.group),) + tuple(output.shape), TORCH_TO_JAX[output.dtype])
+        sent = collectives.broadcast([stacked], self.group, options.rootRank)[0]
+        _write(output, sent[self.rank()])
+        return _Done(outputs)
+
+    def send(self, tensors, destination, tag):
+        source = self.group[self.rank()]
+        collectives.meet((min(source, self.group[destination]), max(source, self.group[destination])), "send",
+                         self.timeout, user_call_site())
+        collectives.send_receive(_array(tensors[0]), source, self.group[destination])
+        return _Done(tensors)
+
+    def recv(self, tensors, source, tag):
+        destination = self.group[self.rank()]
+        collectives.meet((min(destination, self.group[source]), max(destination, self.group[source])), "recv",
+                         self.timeout, user_call_site())
+        _write(tensors[0], collectives.send_receive(_array(tensors[0]), self.group[source], destination))
+        return _Done(tensors)
+
+    def recv_anysource(self, tensors, tag):
+        raise DistributedError(
+            f"recv without a source rank at {user_call_site()}: the bridge's point-to-point transfers are "
+            "compiled for a known pair of ranks; pass src="
+        )
+
+
+def _make_backend(options, backend_options):
+    return BridgeBackend(options, backend_options)
+
+
+dist.Backend.register_backend(BACKEND, _make_backend, extended_api=True, devices=["cpu", "cuda"])
+
+
+# ---------------------------------------------------------------- DistributedDataParallel
+
+_TorchDistributedDataParallel = torch.nn.parallel.DistributedDataParallel
+
+
+def _on_bridge(module: torch.nn.Module) -> bool:
+    tensors = list(module.parameters()) + list(module.buffers())
+    return bool(tensors) and all(isinstance(tensor, BridgeTensor) for tensor in tensors)
+
+
+class DistributedDataParallel(_TorchDistributedDataParallel):
+    """torch's DDP for a module on the bridge device: the same constructor, attributes and
+    semantics (rank 0's parameters and buffers broadcast at construction, buffers again before
+    each forward, gradients averaged over the group when backward ends, `no_sync()`), with the
+    gradients reduced by one collective over all of them when the backward ends instead of
+    torch's C++ reducer, whose buckets would be host tensors here. A module on the host gets
+    torch's own DDP."""
+
+    # Captured mode makes the wrapped module's call the region (bridge/patches/capture.py): the
+    # buffer broadcast before it is a collective between processes, which runs between programs.
+    bridge_wraps_region = True
+
+    def __init__(self, module, device_ids=None, output_device=None, dim=0, broadcast_buffers=True,
+                 process_group=None, bucket_cap_mb=None, find_unused_parameters=False, *args, **kwargs):
+        if not _on_bridge(module):
+            super().__init__(module, device_ids, output_device, dim, broadcast_buffers, process_group, bucket_cap_mb,
+                             find_unused_parameters, *args, **kwargs)
+            self._bridge = False
+            return
+        torch.nn.Module.__init__(self)
+        self._bridge = True
+        self.module = module
+        self.device_ids = device_ids
+        self.output_device = output_device
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = kwargs.get("gradient_as_bucket_view", False)
+        self.static_graph = kwargs.get("static_graph", False)
+        self.process_group = process_group if process_group is not None else dist.distributed_c10d._get_default_group()
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        self._parameters_synced = [p for name, p in module.named_parameters() if name not in ignored and p.requires_grad]
+        self._buffers_synced = [b for name, b in module.named_buffers() if name not in ignored]
+        self._backend = self.process_group._get_backend(torch.device("cpu"))
+        self._group = self._backend.group if isinstance(self._backend, BridgeBackend) else None
+        if self._group is None:
+            raise DistributedError(
+                f"DistributedDataParallel at {user_call_site()}: its process group is not the bridge's "
+                "(init_process_group was called before the bridge was active?); activate the bridge first"
+            )
+        self._queued = False
+        self._synchronize(self._parameters_synced + self._buffers_synced, "DistributedDataParallel's broadcast")
+        for parameter in self._parameters_synced:
+            parameter.register_post_accumulate_grad_hook(self._gradient_ready)
+
+    # -- torch's DDP API
+    def forward(self, *inputs, **kwargs):
+        if not self._bridge:
+            return super().forward(*inputs, **kwargs)
+        if self.broadcast_buffers and self._buffers_synced and self.require_forward_param_sync and torch.is_grad_enabled():
+            self._synchronize(self._buffers_synced, "DistributedDataParallel's buffer broadcast")
+        if self.device_ids:
+            device = torch.device("cuda", self.device_ids[0]) if isinstance(self.device_ids[0], int) else self.device_ids[0]
+            inputs, kwargs = pytree.tree_map_only(
+                torch.Tensor, lambda t: t if isinstance(t, BridgeTensor) else t.to(device), (inputs, kwargs))
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        if not self._bridge:
+            with super().no_sync():
+                yield
+            return
+        previous, self.require_backward_grad_sync = self.require_backward_grad_sync, False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def register_comm_hook(self, state, hook):
+        if not self._bridge:
+            return super().register_comm_hook(state, hook)
+        raise DistributedError(
+            f"DistributedDataParallel.register_comm_hook at {user_call_site()}: the bridge reduces the "
+            "gradients in one collective of its own and runs no communication hooks; remove the hook "
+            "(compression hooks save bandwidth that XLA's collectives spend differently)"
+        )
+
+    def _set_static_graph(self):
+        if not self._bridge:
+            return super()._set_static_graph()
+        self.static_graph = True
+
+    def __getstate__(self):
+        if not self._bridge:
+            return super().__getstate__()
+        return torch.nn.Module.__getstate__(self)
+
+    # -- the bridge's reduction
+    def _synchronize(self, tensors, name):
+        """Rank 0's values of `tensors` on every rank (one broadcast)."""
+        if len(self._group) == 1 or not tensors:
+            return
+        self._backend._meet(name)
+        with torch.no_grad():
+            values = collectives.broadcast(read_values(tensors), self._group, 0)
+            for tensor, value in zip(tensors, values):
+                write_value(tensor, value)
+
+    def _gradient_ready(self, parameter):
+        if not self._queued and self.require_backward_grad_sync:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce_gradients)
+
+    def _reduce_gradients(self):
+        self._queued = False
+        if len(self._group) == 1:
+            return
+        parameters = self._parameters_synced
+        missing = [parameter.grad is None for parameter in parameters]
+        gradients = [jnp.zeros(p.shape, TORCH_TO_JAX[p.dtype]) if absent else read_value(p.grad)
+                     for p, absent in zip(parameters, missing)]
+        # Which ranks had a gradient for each parameter: one that none had keeps None, as in torch.
+        had = jnp.asarray([0 if absent else 1 for absent in missing], jnp.int32)
+        self._backend._meet("DistributedDataParallel's gradient all_reduce")
+        reductions = ("DIVIDED_SUM",) * len(gradients) + ("SUM",)
+        *averaged, counts = collectives.all_reduce(gradients + [had], self._group, reductions)
+        counts = np.asarray(counts) if any(missing) else None
+        for index, (parameter, value) in enumerate(zip(parameters, averaged)):
+            if not missing[index]:
+                write_value(parameter.grad, value)
+            elif counts[index]:
+                parameter.grad = BridgeTensor(value, devices.current_index())
+
+
+PATCHES = collect(dict(globals())) + [
+    Patch(torch.nn.parallel, "DistributedDataParallel", replacement=DistributedDataParallel),
+    Patch(torch.nn.parallel.distributed, "DistributedDataParallel", replacement=DistributedDataParallel),
+]

@@ -1,0 +1,326 @@
+"""Collectives across processes on JAX: processes joined by `jax.distributed`, each collective one
+XLA program over a mesh of its group's devices (NCCL between GPUs, gloo between CPUs).
+
+Every process owns one device (its local rank's GPU, or its CPU). A collective takes each
+process's local array as one block of a global array laid out over the group's devices and runs
+a `shard_map` of `jax.lax` collectives over it; the result is the block this process holds.
+Programs are cached by what they do and the shapes they take.
+
+A collective whose peers do not all arrive would wait forever inside XLA, so every collective
+first meets its group at a barrier of JAX's coordination service with the group's timeout: a
+rank that never comes makes the others raise `DistributedTimeoutError` naming it, instead of
+hanging (the most common complaint of distributed training).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import threading
+from typing import Callable, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from .errors import DistributedError, DistributedTimeoutError
+
+AXIS = "ranks"
+
+# The reductions of torch.distributed.ReduceOp, by name, and DistributedDataParallel's average
+# (each rank's value divided by the group's size, then summed: torch's reducer divides first).
+REDUCTIONS = ("SUM", "AVG", "PRODUCT", "MIN", "MAX", "BAND", "BOR", "BXOR", "PREMUL_SUM", "DIVIDED_SUM")
+
+
+@dataclasses.dataclass
+class World:
+    """This process's place among the others, once `start` has joined them."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    coordinator: str
+    # Device of each rank (the one device each process owns), by rank.
+    devices: tuple = ()
+
+
+_world: list[Optional[World]] = [None]
+_sequence = threading.local()
+
+
+def world() -> Optional[World]:
+    return _world[0]
+
+
+def backends_started() -> bool:
+    from jax._src import xla_bridge
+
+    return bool(xla_bridge._backends)
+
+
+def launched_environment() -> Optional[dict]:
+    """What torchrun (or `bridge run --nproc-per-node`) told this process, if it started it."""
+    names = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    if not all(name in os.environ for name in names):
+        return None
+    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return {
+        "rank": rank,
+        "size": size,
+        "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
+        "local_size": int(os.environ.get("LOCAL_WORLD_SIZE", size)),
+        "master": (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])),
+    }
+
+
+def coordinator_address(master: tuple[str, int]) -> str:
+    """Where JAX's coordination service listens: BRIDGE_COORDINATOR if set, else the port after
+    torch's store (MASTER_PORT + 1) on MASTER_ADDR, so the script's own settings place both."""
+    chosen = os.environ.get("BRIDGE_COORDINATOR")
+    if chosen:
+        return chosen
+    host, port = master
+    return f"{host}:{port + 1}"
+
+
+def start(rank: int, size: int, local_rank: int, local_size: int, coordinator: str, platform: Optional[str],
+          timeout_seconds: float = 300) -> World:
+    """Join the other processes through jax.distributed (before any JAX backend starts)."""
+    if _world[0] is not None:
+        return _world[0]
+    if backends_started():
+        raise DistributedError(
+            "torch.distributed needs to join the other processes before JAX starts its devices, but a "
+            "tensor was already put on the device. Call torch.distributed.init_process_group before "
+            "the first tensor goes to 'cuda', or start the script with torchrun (or "
+            "`python -m bridge run --nproc-per-node N script.py`), which joins them at startup."
+        )
+    if platform in (None, "cpu"):
+        # JAX's CPU backend moves collectives between processes with gloo (GPUs use NCCL).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    try:
+        jax.distributed.initialize(
+            coordinator_address=coordinator,
+            num_processes=size,
+            process_id=rank,
+            # One GPU per process: its local rank's (the others stay free for the other processes).
+            local_device_ids=[local_rank],
+            initialization_timeout=max(1, int(timeout_seconds)),
+        )
+    except Exception as error:
+        raise DistributedError(
+            f"rank {rank} of {size} could not join the others through JAX's coordination service at "
+            f"{coordinator} ({error}). Check that every rank was started and that the address is "
+            f"reachable from this host; BRIDGE_COORDINATOR=host:port picks another address "
+            f"(the default is MASTER_ADDR with MASTER_PORT + 1)."
+        ) from None
+    by_process: dict[int, jax.Device] = {}
+    for device in jax.devices():
+        by_process.setdefault(device.process_index, device)
+    _world[0] = World(rank, size, local_rank, local_size, coordinator, tuple(by_process[r] for r in range(size)))
+    return _world[0]
+
+
+def local_device() -> jax.Device:
+    return jax.local_devices()[0]
+
+
+# ---------------------------------------------------------------- meeting before a collective
+
+
+def _client():
+    from jax._src import distributed as jax_distributed
+
+    return jax_distributed.global_state.client
+
+
+def meet(group: tuple, name: str, timeout_seconds: float, site: str = "") -> None:
+    """Wait for every rank of `group` at a barrier of JAX's coordination service; a rank that does
+    not come within the timeout raises DistributedTimeoutError instead of a hang in XLA."""
+    counters = getattr(_sequence, "counters", None)
+    if counters is None:
+        counters = _sequence.counters = {}
+    count = counters[group] = counters.get(group, 0) + 1
+    barrier = f"bridge/{'-'.join(map(str, group))}/{count}"
+    try:
+        _client().wait_at_barrier(barrier, max(1, int(timeout_seconds * 1000)), process_ids=list(group))
+    except Exception as error:
+        text = str(error)
+        missing = _missing_ranks(text, group)
+        where = f" at {site}" if site else ""
+        raise DistributedTimeoutError(
+            f"{name}{where}: rank {_world[0].rank} waited {timeout_seconds:g} s for the ranks "
+            f"{list(group)} and {missing or 'some of them'} never reached collective number {count} of "
+            f"this group. A rank has stopped, crashed, or called a different collective (every rank of "
+            f"a group must call the same collectives in the same order). init_process_group(timeout=...) "
+            f"sets how long to wait. ({text.splitlines()[0] if text else type(error).__name__})"
+        ) from None
+
+
+def _missing_ranks(text: str, group: tuple) -> str:
+    """The ranks the coordination service names as late ('Some timed out task names: ...')."""
+    marker = "timed out task names:"
+    if marker not in text:
+        return ""
+    names = text.split(marker, 1)[1].split("\n\n", 1)[0]
+    ranks = sorted({int(token) for token in names.replace(",", " ").split() if token.isdigit()} & set(group))
+    return f"rank(s) {ranks}" if ranks else ""
+
+
+# ---------------------------------------------------------------- programs
+
+
+def _mesh(group: tuple) -> Mesh:
+    return _meshes(group)
+
+
+@functools.lru_cache(maxsize=None)
+def _meshes(group: tuple) -> Mesh:
+    return Mesh(np.array([_world[0].devices[rank] for rank in group]), (AXIS,))
+
+
+def _global(array: jax.Array, mesh: Mesh) -> jax.Array:
+    """This process's array as its block of a global array (blocks stacked on axis 0)."""
+    block = array.reshape((1,) + array.shape)
+    sharding = NamedSharding(mesh, PartitionSpec(AXIS))
+    size = mesh.devices.size
+    return jax.make_array_from_single_device_arrays((size,) + array.shape, sharding, [block])
+
+
+def _local(array: jax.Array) -> jax.Array:
+    return array.addressable_shards[0].data
+
+
+def _reduce_stacked(stacked: jax.Array, reduction: str, size: int, factor=None) -> jax.Array:
+    """Reduce the ranks' values stacked on axis 0 as torch's ReduceOp does."""
+    if reduction == "SUM":
+        return jnp.sum(stacked, axis=0, dtype=stacked.dtype)
+    if reduction == "PREMUL_SUM":
+        return jnp.sum(stacked * jnp.asarray(factor, stacked.dtype), axis=0, dtype=stacked.dtype)
+    if reduction == "AVG":
+        total = jnp.sum(stacked, axis=0, dtype=stacked.dtype)
+        if jnp.issubdtype(stacked.dtype, jnp.integer):
+            return jax.lax.div(total, jnp.asarray(size, stacked.dtype))  # integer division, as NCCL's
+        return total / jnp.asarray(size, stacked.dtype)
+    if reduction == "PRODUCT":
+        return jnp.prod(stacked, axis=0, dtype=stacked.dtype)
+    if reduction == "MIN":
+        return jnp.min(stacked, axis=0)
+    if reduction == "MAX":
+        return jnp.max(stacked, axis=0)
+    bitwise = {"BAND": jnp.bitwise_and, "BOR": jnp.bitwise_or, "BXOR": jnp.bitwise_xor}[reduction]
+    return functools.reduce(bitwise, [stacked[i] for i in range(size)])
+
+
+def _reduce_across(value: jax.Array, reduction: str, size: int, factor=None) -> jax.Array:
+    """Inside shard_map: the reduction of `value` over the ranks, the same on every rank."""
+    if reduction == "SUM" and value.dtype != jnp.bool_:
+        return jax.lax.psum(value, AXIS)
+    if reduction == "DIVIDED_SUM":
+        return jax.lax.psum(value / jnp.asarray(size, value.dtype), AXIS)
+    if reduction in ("MIN", "MAX") and value.dtype != jnp.bool_:
+        return (jax.lax.pmin if reduction == "MIN" else jax.lax.pmax)(value, AXIS)
+    # Products, averages and bitwise reductions: gather, then reduce in rank order (exact and
+    # deterministic, as torch's gloo backend is).
+    stacked = jax.lax.all_gather(value, AXIS)
+    if value.dtype == jnp.bool_:
+        summed = _reduce_stacked(stacked.astype(jnp.int32), reduction, size, factor)
+        return summed.astype(jnp.bool_) if reduction != "BXOR" else (summed % 2).astype(jnp.bool_)
+    return _reduce_stacked(stacked, reduction, size, factor)
+
+
+@functools.lru_cache(maxsize=None)
+def _program(kind: str, group: tuple, static: tuple) -> Callable:
+    """One jitted shard_map program for a collective; `static` holds its static arguments."""
+    mesh = _mesh(group)
+    size = len(group)
+    options = dict(static)
+    spec = PartitionSpec(AXIS)
+
+    def block(function):
+        # Each rank's value arrives with a leading axis of 1 (its block); results go back the same way.
+        def body(*values):
+            results = function(*[value[0] for value in values])
+            return tuple(result[None] for result in results)
+
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+
+    if kind == "all_reduce":  # one reduction per value
+        return block(lambda *values: [_reduce_across(v, reduction, size, options.get("factor"))
+                                      for v, reduction in zip(values, options["reductions"])])
+    if kind == "all_gather":
+        return block(lambda value: [jax.lax.all_gather(value, AXIS)])
+    if kind == "broadcast":
+        source = options["source"]
+        return block(lambda *values: [jax.lax.all_gather(v, AXIS)[source] for v in values])
+    if kind == "reduce_scatter":  # value: (size, *chunk) -> this rank's chunk, reduced
+        reduction = options["reduction"]
+
+        def reduce_scatter(value):
+            if reduction == "SUM" and value.dtype != jnp.bool_:
+                return [jax.lax.psum_scatter(value, AXIS, scatter_dimension=0, tiled=False)]
+            reduced = _reduce_across(value, reduction, size, options.get("factor"))
+            return [jax.lax.dynamic_index_in_dim(reduced, jax.lax.axis_index(AXIS), 0, keepdims=False)]
+
+        return block(reduce_scatter)
+    if kind == "all_to_all":  # value: (size, *chunk): chunk i goes to rank i
+        return block(lambda value: [jax.lax.all_to_all(value, AXIS, 0, 0, tiled=False)])
+    if kind == "send":  # group is (source, destination)
+        return block(lambda value: [jax.lax.ppermute(value, AXIS, perm=[(0, 1)])])
+    raise ValueError(kind)
+
+
+def _run(kind: str, group: tuple, arrays: Sequence[jax.Array], **static) -> list[jax.Array]:
+    program = _program(kind, group, tuple(sorted(static.items())))
+    mesh = _mesh(group)
+    results = program(*[_global(array, mesh) for array in arrays])
+    return [_local(result)[0] for result in results]
+
+
+# ---------------------------------------------------------------- the collectives
+
+
+def all_reduce(arrays: Sequence[jax.Array], group: tuple, reduction, factor=None) -> list[jax.Array]:
+    """The reduction over the group of each array (one program for all of them); `reduction` is
+    one name for all, or a tuple of one name per array."""
+    reductions = tuple(reduction) if isinstance(reduction, (tuple, list)) else (reduction,) * len(arrays)
+    if len(group) == 1:
+        return [_reduce_stacked(a[None], r, 1, factor) if r == "PREMUL_SUM" else a for a, r in zip(arrays, reductions)]
+    return _run("all_reduce", group, arrays, reductions=reductions, factor=factor)
+
+
+def broadcast(arrays: Sequence[jax.Array], group: tuple, source_index: int) -> list[jax.Array]:
+    """The values of the rank at `source_index` in the group."""
+    if len(group) == 1:
+        return list(arrays)
+    return _run("broadcast", group, arrays, source=source_index)
+
+
+def all_gather(array: jax.Array, group: tuple) -> jax.Array:
+    """Every rank's array, stacked on a new axis 0 in group order."""
+    if len(group) == 1:
+        return array[None]
+    return _run("all_gather", group, [array])[0]
+
+
+def reduce_scatter(stacked: jax.Array, group: tuple, reduction: str, factor=None) -> jax.Array:
+    """`stacked` holds one chunk per rank on axis 0; returns this rank's chunk reduced over the group."""
+    if len(group) == 1:
+        return _reduce_stacked(stacked, reduction, 1, factor) if reduction in ("AVG", "PREMUL_SUM") else stacked[0]
+    return _run("reduce_scatter", group, [stacked], reduction=reduction, factor=factor)[0]
+
+
+def all_to_all(stacked: jax.Array, group: tuple) -> jax.Array:
+    """`stacked[i]` goes to the i-th rank of the group; returns what each rank sent here, stacked."""
+    if len(group) == 1:
+        return stacked
+    return _run("all_to_all", group, [stacked])[0]
+
+
+def send_receive(array: jax.Array, source: int, destination: int) -> jax.Array:
+    """Point to point: both ranks call it, the source with its value, the destination with a
+    buffer of the same shape; the destination gets the source's value."""
+    return _run("send", (source, destination), [array])[0]
