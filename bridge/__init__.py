@@ -34,6 +34,7 @@ from bridge.runtime.errors import (  # noqa: E402,F401  (re-exported for users)
 from . import report  # noqa: E402,F401
 from .activation import activate, deactivate, is_active, set_mode  # noqa: E402
 from .loading import LoadedProgram, load  # noqa: E402
+from .interop import from_jax, to_jax  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -59,6 +60,8 @@ __all__ = [
     "set_mode",
     "load",
     "LoadedProgram",
+    "to_jax",
+    "from_jax",
     "BridgeError",
     "UnsupportedOpError",
     "MappingMismatchError",

@@ -123,6 +123,37 @@ def _on_bridge_device(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModul
     return copied
 
 
+# While set (`scoped_by_node`), each graph node runs inside `jax.named_scope(node.name)`, so that
+# the equations of a trace carry the names of the nodes they came from (bridge convert names its
+# variables after them). Off by default: an interpreter walks the graph more slowly than the
+# graph's own generated code.
+_scope_nodes = False
+
+
+@contextlib.contextmanager
+def scoped_by_node() -> Iterator[None]:
+    """Within the block, functions from `to_jax` that are traced name their equations' scopes
+    after the graph's nodes."""
+    global _scope_nodes
+    outer, _scope_nodes = _scope_nodes, True
+    try:
+        yield
+    finally:
+        _scope_nodes = outer
+
+
+class _ScopedInterpreter(torch.fx.Interpreter):
+    def run_node(self, node):
+        with jax.named_scope(node.name):
+            return super().run_node(node)
+
+
+def _run_graph(graph: torch.fx.GraphModule, tensors: list) -> Any:
+    if _scope_nodes:
+        return _ScopedInterpreter(graph).run(*tensors)
+    return graph(*tensors)
+
+
 def to_jax(exported: torch.export.ExportedProgram) -> tuple[Callable, dict]:
     """The program as a pure JAX function and its initial state (see the module's docstring)."""
     signature = _signature(exported)
@@ -138,7 +169,7 @@ def to_jax(exported: torch.export.ExportedProgram) -> tuple[Callable, dict]:
             tensors.append(BridgeTensor(value, 0) if isinstance(value, jax.Array) else value)
         given = [tensor._value if isinstance(tensor, BridgeTensor) else None for tensor in tensors]
         with graph_trace(key):
-            outputs = graph(*tensors)
+            outputs = _run_graph(graph, tensors)
         outputs = [outputs[position] for position in signature.user_outputs]
         arrays = [read_value(out) if isinstance(out, BridgeTensor) else out for out in outputs]
         new_state, new_inputs = dict(state), [None] * len(flat)
