@@ -1,0 +1,270 @@
+"""The ONNX backend conformance suite's node tests through the bridge's ONNX table.
+
+    python -m bridge.compat.onnx_conformance [--only REGEX] [--out compat/reports]
+
+The cases come from the onnx package's own generators (onnx.backend.test.case.node: each a
+one-node model, or that node expanded into its function's ops, with inputs and the reference
+outputs), built in memory: nothing is downloaded or written but the report. Each case runs as
+bridge.load runs a model: the graph translated once (runtime/onnx_graph.py) under jax.jit, its
+numeric inputs traced. A case whose graph needs an input's value while it is traced (a Reshape
+to a shape given as an input, NonZero) runs again with its inputs known while tracing, and is
+counted apart. Outputs are compared as the suite's runner compares them: same shape and dtype,
+rtol=1e-3 and atol=1e-7 (its defaults; two bfloat16 ULPs for bfloat16), strings equal. Cases of
+ops that draw random numbers are compared by shape and dtype. Writes <out>/onnx.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import sys
+import time
+import traceback
+import warnings
+
+import numpy as np
+
+PASSED, PASSED_KNOWN, FAILED, UNSUPPORTED = "passed", "passed, inputs known", "failed", "no mapping"
+
+# Whole ops the bridge does not run, with the reason (their cases fail; the report lists them).
+EXPECTED_FAILURES = {
+    "StringConcat": "strings: JAX arrays hold numbers only",
+    "StringSplit": "strings: JAX arrays hold numbers only",
+    "StringNormalizer": "strings: JAX arrays hold numbers only",
+    "RegexFullMatch": "strings: JAX arrays hold numbers only",
+    "TfIdfVectorizer": "text features: not in the table",
+    "ImageDecoder": "decodes image files: not an array op",
+    "ai.onnx.ml::LabelEncoder": "ai.onnx.ml (classical ML) is not in the table",
+    "ai.onnx.ml::TreeEnsemble": "ai.onnx.ml (classical ML) is not in the table",
+    "ai.onnx.ml::ArrayFeatureExtractor": "ai.onnx.ml (classical ML) is not in the table",
+    "ai.onnx.ml::Binarizer": "ai.onnx.ml (classical ML) is not in the table",
+    "ai.onnx.preview.training::Adagrad": "training ops (ai.onnx.preview.training) are not in the table",
+    "ai.onnx.preview.training::Adam": "training ops (ai.onnx.preview.training) are not in the table",
+    "ai.onnx.preview.training::Momentum": "training ops (ai.onnx.preview.training) are not in the table",
+}
+RANDOM_OPS = {"Bernoulli", "RandomUniformLike", "RandomNormalLike", "RandomUniform", "RandomNormal", "Multinomial"}
+
+
+def collect_cases():
+    """The suite's node cases: [(name, model, data sets)], as its generators make them."""
+    from onnx.backend.test.case import node
+
+    with warnings.catch_warnings(), np.errstate(all="ignore"):
+        warnings.simplefilter("ignore")
+        cases = node.collect_testcases(None)
+    return [case for case in cases if case.kind == "node"]
+
+
+def _op_name(node):
+    return node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}::{node.op_type}"
+
+
+def case_op(case):
+    """The op a case is named for: its model's one node, or the op its expanded graph stands for."""
+    names = [_op_name(node) for node in case.model.graph.node]
+    if "_expanded" in case.name or len(names) != 1:
+        base = case.name.split("_expanded")[0]
+        for name in sorted(set(names), key=len, reverse=True):
+            if name.lower() in base.replace("_", "").lower():
+                return name
+    return names[0] if len(names) == 1 else names[-1]
+
+
+def case_opset(case):
+    return next((item.version for item in case.model.opset_import if item.domain in ("", "ai.onnx")), 0)
+
+
+def _similar(actual, expected, random):
+    """None where actual matches expected as the suite's runner judges it, else why not."""
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+            return f"expected a sequence of {len(expected)}, got {type(actual).__name__}"
+        for actual_item, expected_item in zip(actual, expected):
+            reason = _similar(actual_item, expected_item, random)
+            if reason:
+                return reason
+        return None
+    if expected is None:
+        return None if actual is None else "expected an empty optional"
+    if actual is None:
+        return "got an empty optional"
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if actual.shape != expected.shape:
+        return f"shape {actual.shape}, expected {expected.shape}"
+    if expected.dtype == object:
+        return None if np.array_equal(actual.astype(object), expected) else "strings differ"
+    if actual.dtype != expected.dtype:
+        return f"dtype {actual.dtype}, expected {expected.dtype}"
+    if random:
+        return None
+    rtol, atol = 1e-3, 1e-7
+    if actual.dtype.name == "bfloat16":
+        rtol = max(rtol, 2**-6)
+    if actual.dtype.kind not in "fciub" or actual.dtype.name.startswith(("float8", "float4", "int4", "uint4", "bfloat16")):
+        actual, expected = actual.astype(np.float32), expected.astype(np.float32)
+    try:
+        np.testing.assert_allclose(actual, expected, rtol=rtol, atol=atol)
+    except AssertionError as error:
+        lines = [line.strip() for line in str(error).splitlines() if "Max absolute" in line or "Max relative" in line]
+        return "values differ: " + "; ".join(lines)
+    return None
+
+
+def _traceable(value):
+    if isinstance(value, np.ndarray):
+        return value.dtype != object
+    if isinstance(value, list):
+        return all(_traceable(item) for item in value)
+    return False
+
+
+def run_case(case, table):
+    """(status, detail) of one case."""
+    import jax
+
+    from bridge.runtime import onnx_graph
+    from bridge.runtime.errors import DataDependentShapeError, UnsupportedOnnxOpError
+
+    random = any(node.op_type in RANDOM_OPS for node in case.model.graph.node)
+    try:
+        function, state = onnx_graph.to_jax(case.model, table, source=case.name)
+    except Exception as error:  # noqa: BLE001 - reported per case
+        return FAILED, _reason(error)
+    for inputs, expected in case.data_sets:
+        inputs = list(inputs)
+        traced = [position for position, value in enumerate(inputs) if _traceable(value)]
+        status = PASSED
+
+        def call(traced_values, inputs=inputs, traced=traced):
+            given = list(inputs)
+            for position, value in zip(traced, traced_values):
+                given[position] = value
+            return function(state, *given)
+
+        try:
+            try:
+                outputs = jax.jit(call)([inputs[position] for position in traced])
+            except (DataDependentShapeError, jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError,
+                    jax.errors.TracerIntegerConversionError, jax.errors.TracerBoolConversionError):
+                status = PASSED_KNOWN
+                outputs = function(state, *inputs)
+            outputs = jax.tree_util.tree_map(np.asarray, list(outputs), is_leaf=lambda leaf: leaf is None)
+        except UnsupportedOnnxOpError as error:
+            return UNSUPPORTED, _reason(error)
+        except Exception as error:  # noqa: BLE001 - reported per case
+            return FAILED, _reason(error)
+        reason = _similar(list(outputs), list(expected), random)
+        if reason:
+            return FAILED, reason
+    return status, "random: shape and dtype compared" if random else ""
+
+
+def _reason(error):
+    text = f"{type(error).__name__}: {error}".splitlines()[0]
+    return re.sub(r"\s+", " ", text)[:220]
+
+
+def run(only=None, out=None, echo=print):
+    import jax
+
+    import bridge  # noqa: F401  (jax's x64, as the bridge runs)
+    from bridge.op_mappings import onnx_ops  # noqa: F401  (the table's registrations)
+    from bridge.runtime.onnx_graph import ONNX_OPS
+
+    jax.config.update("jax_enable_x64", True)
+    cases = collect_cases()
+    if only:
+        cases = [case for case in cases if re.search(only, case.name)]
+    results = []
+    start = time.time()
+    for number, case in enumerate(cases):
+        with warnings.catch_warnings(), np.errstate(all="ignore"):
+            warnings.simplefilter("ignore")
+            status, detail = run_case(case, ONNX_OPS)
+        op = case_op(case)
+        if status in (FAILED, UNSUPPORTED) and op in EXPECTED_FAILURES:
+            detail = f"expected: {EXPECTED_FAILURES[op]}"
+        results.append((case.name, op, case_opset(case), status, detail))
+        if echo and (number % 100 == 0 or status == FAILED and only):
+            echo(f"[{number + 1}/{len(cases)}] {case.name}: {status} {detail}")
+    elapsed = time.time() - start
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "onnx.md"), "w") as report:
+            report.write(render(results, elapsed))
+    return results
+
+
+def _counts(rows):
+    counts = collections.Counter(status for *_, status, _ in rows)
+    return counts[PASSED], counts[PASSED_KNOWN], counts[FAILED], counts[UNSUPPORTED]
+
+
+def render(results, elapsed):
+    import jax
+    import onnx
+
+    total_passed = sum(1 for row in results if row[3] in (PASSED, PASSED_KNOWN))
+    lines = [
+        "# ONNX backend conformance: node tests through the bridge's ONNX table",
+        "",
+        f"Command: `python -m bridge.compat.onnx_conformance`; onnx {onnx.__version__}, jax {jax.__version__}, "
+        f"{len(results)} node cases ({elapsed:.0f} s). Regenerated by the command, never edited by hand.",
+        "",
+        f"**{total_passed} of {len(results)} cases pass** (outputs within the suite's rtol=1e-3, atol=1e-7, same shape "
+        "and dtype). *passed*: under jax.jit with the case's numeric inputs traced, as `bridge.load` runs a model; "
+        "*passed, inputs known*: the graph needs an input's value while it is traced (a shape, axes or a count given "
+        "as an input, or an output whose shape depends on values: NonZero, Unique) and passes with its inputs known "
+        "then; *no mapping*: an op with no table entry and no function in the ONNX standard. Random ops are "
+        "compared by shape and dtype.",
+        "",
+        "## By opset (the ai.onnx opset of the case's model)",
+        "",
+        "| opset | cases | passed | passed, inputs known | failed | no mapping |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_opset = collections.defaultdict(list)
+    for row in results:
+        by_opset[row[2]].append(row)
+    for opset in sorted(by_opset):
+        rows = by_opset[opset]
+        lines.append(f"| {opset} | {len(rows)} | " + " | ".join(str(count) for count in _counts(rows)) + " |")
+    lines.append(f"| all | {len(results)} | " + " | ".join(str(count) for count in _counts(results)) + " |")
+    lines += ["", "## By op", "", "| op | cases | passed | passed, inputs known | failed | no mapping |", "|---|---|---|---|---|---|"]
+    by_op = collections.defaultdict(list)
+    for row in results:
+        by_op[row[1]].append(row)
+    for op in sorted(by_op, key=str.lower):
+        rows = by_op[op]
+        lines.append(f"| {op} | {len(rows)} | " + " | ".join(str(count) for count in _counts(rows)) + " |")
+    lines += ["", "## Cases that do not pass", "", "| case | op | opset | status | reason |", "|---|---|---|---|---|"]
+    for name, op, opset, status, detail in results:
+        if status in (FAILED, UNSUPPORTED):
+            lines.append(f"| {name} | {op} | {opset} | {status} | {detail.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bridge.compat.onnx_conformance", description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="a regular expression: run the cases whose names match")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "reports"), help="where onnx.md goes")
+    arguments = parser.parse_args(argv)
+    try:
+        import onnx  # noqa: F401
+    except ImportError:
+        print("the conformance sweep needs the onnx package: pip install 'bridge[onnx]'", file=sys.stderr)
+        return 2
+    results = run(arguments.only, None if arguments.only else arguments.out)
+    passed = sum(1 for row in results if row[3] in (PASSED, PASSED_KNOWN))
+    print(f"{passed} of {len(results)} ONNX node cases pass")
+    if arguments.only:
+        for name, op, opset, status, detail in results:
+            if status in (FAILED, UNSUPPORTED):
+                print(f"  {name} ({op}, opset {opset}): {status}: {detail}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
