@@ -56,15 +56,30 @@ def main(path: str) -> int:
     if not os.path.exists(path):
         print(f"bridge check: no such file: {path}", file=sys.stderr)
         return 2
-    if not path.endswith(".pt2"):
-        print(f"bridge check: {path}: only torch.export programs (.pt2) can be read yet", file=sys.stderr)
+    if path.endswith((".pt", ".pth", ".torchscript")):
+        # TorchScript: its nodes by rung, and those without translation (runtime/torchscript.py).
+        from bridge.activation import activate, is_active
+        from bridge.runtime import torchscript
+        from bridge.runtime.errors import SavedModelError
+
+        try:
+            scripted = torchscript.load(path)
+        except SavedModelError as error:
+            print(f"bridge check: {error}", file=sys.stderr)
+            return 2
+        if not is_active():
+            activate()  # the tables
+        statuses = torchscript.census(scripted)
+    elif not path.endswith(".pt2"):
+        print(f"bridge check: {path}: only torch.export programs (.pt2) and TorchScript archives (.pt) can be read yet", file=sys.stderr)
         return 2
-    statuses = census(torch.export.load(path))
+    else:
+        statuses = census(torch.export.load(path))
     for status, ops in sorted(statuses.items()):
         print(f"{status}: {len(ops)} op(s), {sum(ops.values())} node(s)")
         for name, count in sorted(ops.items(), key=lambda item: (-item[1], item[0])):
             print(f"  {count:5d}  {name}")
-    stuck = sum(len(statuses.get(status, {})) for status in (ladder.CPU_FALLBACK, ladder.UNSUPPORTED))
+    stuck = sum(len(statuses.get(status, {})) for status in (ladder.CPU_FALLBACK, ladder.UNSUPPORTED, "no translation"))
     if stuck:
         print(f"bridge check: {stuck} op(s) would not run on the bridge device (above)", file=sys.stderr)
     return 1 if stuck else 0

@@ -5,7 +5,8 @@
     program.jax_function, program.state       # the same program for code that stays in JAX
 
 Today: `torch.export` programs (`.pt2` files from `torch.export.save`, or ExportedProgram
-objects). TorchScript archives and ONNX files are not read yet.
+objects) and TorchScript (`.pt` archives from `torch.jit.save`, or modules and functions from
+`torch.jit.trace`/`torch.jit.script`). ONNX files are not read yet.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils import _pytree as pytree
 
-from bridge.runtime import export, random
+from bridge.runtime import export, random, torchscript
 from bridge.runtime.tensor import BridgeTensor, numpy_to_torch, read_value, to_bridge, write_value
 
 
@@ -53,6 +54,20 @@ class LoadedProgram:
         return {name: numpy_to_torch(np.array(value)) for name, value in self.state.items()}
 
 
+class LoadedScript(LoadedProgram):
+    """A TorchScript module or function (runtime/torchscript.py) with LoadedProgram's calls and
+    state; `scripted` is the ScriptModule or ScriptFunction it was read from."""
+
+    def __init__(self, scripted: Any, source: Any = None):
+        self.scripted = scripted
+        self.jax_function, self.state = torchscript.to_jax(scripted, source)
+        self._compiled = jax.jit(self.jax_function)
+
+
+# File names TorchScript archives go by (torch.jit.save writes any name it is given).
+TORCHSCRIPT_SUFFIXES = (".pt", ".pth", ".torchscript")
+
+
 def _on_host(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and not isinstance(value, BridgeTensor)
 
@@ -67,12 +82,16 @@ def load(source: Any) -> LoadedProgram:
         activate()
     if isinstance(source, torch.export.ExportedProgram):
         return LoadedProgram(source)
+    if isinstance(source, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
+        return LoadedScript(source)
     path = os.fspath(source)
     if path.endswith(".pt2"):
         return LoadedProgram(torch.export.load(path))
-    kind = "an ONNX model" if path.endswith(".onnx") else "a TorchScript archive or another file"
+    if path.endswith(TORCHSCRIPT_SUFFIXES):
+        return LoadedScript(torchscript.load(path), path)
+    kind = "an ONNX model" if path.endswith(".onnx") else "this kind of file"
     raise NotImplementedError(
-        f"bridge.load({path!r}): {kind} cannot be loaded yet; only torch.export programs (.pt2) can. "
+        f"bridge.load({path!r}): {kind} cannot be loaded yet; only torch.export programs (.pt2) and TorchScript archives (.pt) can. "
         "Export the model with torch.export.export and torch.export.save, or run the script that "
         "builds it under the bridge."
     )

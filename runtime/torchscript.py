@@ -201,6 +201,10 @@ class _Compiler:
         self.problems: list = []  # (node, reason)
         self.modules: dict = {}  # value id -> _Module, known while compiling
         self.tensor_attributes: dict = {}  # dotted name -> host tensor, for every tensor attribute read
+        self.tensor_names: dict = {}  # id of a parameter or buffer -> its name
+        if isinstance(module, torch.jit.ScriptModule):
+            for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                self.tensor_names.setdefault(id(tensor), name)
 
     def block(self, block, inputs=None) -> _Block:
         steps = [self.step(node) for node in block.nodes()]
@@ -236,9 +240,14 @@ class _Compiler:
         if kind == "prim::TupleSlice":
             return _tuple_slice, (node.i("beg"), node.i("end"))
         if kind == "prim::PythonOp":
+            owner = getattr(node.pyobj(), "__self__", None)
+            name = f"{owner.__name__}.{node.pyname()}" if isinstance(owner, type) else node.pyname()
             raise _Untranslatable(
-                f"a Python function called from the traced code ({node.pyname()}: a torch.autograd.Function "
+                f"a Python function called from the traced code ({name}: a torch.autograd.Function "
                 "or a @torch.jit.ignore'd function) has no graph to translate")
+        if kind == "prim::CreateObject":
+            raise _Untranslatable("it makes an instance of a TorchScript class; the bridge translates tensors, "
+                                  "numbers, strings, lists, tuples and dicts, not objects")
         if kind in ("prim::CallMethod", "prim::CallFunction"):
             raise _Untranslatable("a call TorchScript could not inline (an interface, a recursive or a Python call)")
         if kind in _TO_NUMBER:
@@ -247,8 +256,14 @@ class _Compiler:
             return _to_bool, _operator(node)
         if kind == "aten::__not__":
             return _not, None
-        if kind in _CONTAINERS and not any(_is_tensor_type(str(value.type())) for value in node.inputs()):
+        if kind in _IDENTITY:
+            return _container, _IDENTITY[kind]
+        first = next(iter(node.inputs()), None)
+        if kind in _CONTAINERS and (first is None or str(first.type()) not in ("Tensor", "Optional[Tensor]")):
             return _container, _CONTAINERS[kind]
+        if kind in _REPLACED:
+            overload, count = _REPLACED[kind]
+            return _replaced, (overload, count)
         if kind in ("aten::to", "aten::cuda", "aten::cpu"):
             return _to, _operator(node)
         if kind.startswith("prim::") and node.schema() == "(no schema)":
@@ -268,8 +283,18 @@ class _Compiler:
         if isinstance(value, torch.Tensor):
             self.tensor_attributes[path] = value
             return _read_attribute, path
-        if isinstance(value, (list, tuple, dict)) and any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)):
-            raise _Untranslatable(f"the attribute {path} holds tensors inside a {type(value).__name__}")
+        if isinstance(value, (list, tuple)) and any(isinstance(leaf, torch.Tensor) for leaf in value):
+            # (an LSTM's _flat_weights: its parameters, by their own names)
+            names = []
+            for index, item in enumerate(value):
+                if not isinstance(item, torch.Tensor):
+                    raise _Untranslatable(f"the attribute {path} mixes tensors and other values")
+                name = self.tensor_names.get(id(item), f"{path}.{index}")
+                self.tensor_attributes.setdefault(name, item)
+                names.append(name)
+            return _read_attributes, (type(value), tuple(names))
+        if isinstance(value, dict) and any(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)):
+            raise _Untranslatable(f"the attribute {path} holds tensors inside a dict")
         return _constant, value  # a flag (`training`), a number, a string: fixed when the model was scripted
 
     def _submodule(self, path):
@@ -308,6 +333,8 @@ class _Frame:
         self.values: dict = {}
         self.attributes = attributes  # dotted name -> bridge tensor (replaced by prim::SetAttr)
         self.source = source
+        self.grad_enabled = torch.is_grad_enabled()
+        self.requiring_grad: set = set()  # ids of the state's bridge tensors whose parameter requires a gradient
 
     def run(self, block: _Block, inputs: list) -> list:
         values = self.values
@@ -325,6 +352,12 @@ class _Frame:
                     f"trace does not have ({_first_line(error)}). An `if` on a tensor becomes jax.lax.cond; a "
                     "loop on one, a size computed from one, or .item() cannot be traced: compute it from shapes, "
                     "or run that part outside the model."
+                ) from None
+            except jax.errors.TracerArrayConversionError:
+                raise TranslationError(
+                    f"{describe(step.node, self.source)}: the bridge's tables have no entry for this op (or one it "
+                    "decomposes into), so it would run with eager torch on the host CPU, which cannot happen inside "
+                    "one XLA program. `python -m bridge check` lists such ops; file an issue naming the op."
                 ) from None
             except Exception as error:
                 if not getattr(error, "_bridge_node_noted", False):
@@ -363,6 +396,11 @@ def _constant(frame, step, inputs):
 
 def _read_attribute(frame, step, inputs):
     return [frame.attributes[step.detail]]
+
+
+def _read_attributes(frame, step, inputs):
+    kind, names = step.detail
+    return [kind(frame.attributes[name] for name in names)]
 
 
 def _write_attribute(frame, step, inputs):
@@ -567,7 +605,11 @@ _PRIM = {
     "prim::device": lambda frame, step, inputs: [inputs[0].device],
     "prim::dtype": lambda frame, step, inputs: [_DTYPE_CODES[inputs[0].dtype]],
     "prim::data": lambda frame, step, inputs: [inputs[0].detach()],
-    "prim::requires_grad": lambda frame, step, inputs: [False],  # (the function is differentiated by JAX)
+    # What the model asks of autograd (nn.TransformerEncoderLayer takes a fused path only when
+    # nothing needs a gradient) is answered as torch would answer the caller: autograd is off
+    # inside the trace only because JAX differentiates the function.
+    "prim::requires_grad": lambda frame, step, inputs: [frame.grad_enabled and id(inputs[0]) in frame.requiring_grad],
+    "aten::is_grad_enabled": lambda frame, step, inputs: [frame.grad_enabled],
     "prim::shape": lambda frame, step, inputs: [list(inputs[0].shape)],
 }
 
@@ -603,12 +645,28 @@ _CONTAINERS = {
     "aten::keys": lambda container: list(container.keys()),
     "aten::values": lambda container: list(container.values()),
     "aten::items": lambda container: list(container.items()),
-    "aten::__is__": lambda first, second: first is second,
-    "aten::__isnot__": lambda first, second: first is not second,
     "aten::format": lambda text, *values: text.format(*values),
     "aten::str": str,
     "aten::warn": _warn,
 }
+
+
+# `x is None` and its kin, on any value (torch.ops would refuse a None first argument).
+_IDENTITY = {
+    "aten::__is__": lambda first, second: first is second,
+    "aten::__isnot__": lambda first, second: first is not second,
+}
+
+# Ops that torch.jit.trace records and today's ATen spells otherwise: the first `count`
+# arguments go to `overload` (the others are cuDNN and benchmarking flags).
+_REPLACED = {
+    "aten::_convolution": (torch.ops.aten.convolution.default, 9),
+}
+
+
+def _replaced(frame, step, inputs):
+    overload, count = step.detail
+    return [overload(*inputs[:count])]
 
 
 def _dtype_codes() -> dict:
@@ -636,11 +694,21 @@ class Script:
     module_value: Optional[int]  # the graph's `self` input, for a module
     arguments: tuple  # the forward's arguments after `self`: (name, has default, default)
     tensor_attributes: dict  # dotted name -> host tensor
+    requiring_grad: frozenset  # names of the state's tensors that require a gradient in the module
     problems: list  # (node, reason), collected when compiled for `bridge check`
 
 
 def _graph_and_schema(scripted):
     if isinstance(scripted, torch.jit.ScriptModule):
+        names = scripted._c._method_names()
+        if "forward" not in names:
+            # An overloaded forward (nn.GRU's, nn.LSTM's) is compiled as forward__0, forward__1, ...:
+            # the first that takes tensors and numbers only.
+            overloads = [scripted._c._get_method(name) for name in names if name.startswith("forward__")]
+            usable = [method for method in overloads if "__torch__" not in str(method.schema).split("->")[0].split(",", 1)[-1]]
+            if not usable:
+                raise TranslationError(f"{type(scripted).__name__} has no forward method the bridge can call")
+            return usable[0].graph, usable[0].schema, scripted
         method = scripted.forward
         return method.graph, method.schema, scripted
     if isinstance(scripted, torch.jit.ScriptFunction):
@@ -664,7 +732,11 @@ def compile_script(scripted, source: Optional[str] = None, collect: bool = False
         inputs, arguments = inputs[1:], arguments[1:]
     body = compiler.block(graph, inputs)
     described = tuple((argument.name, argument.has_default_value(), argument.default_value) for argument in arguments)
-    return Script(graph, body, module_value, described, compiler.tensor_attributes, compiler.problems)
+    requiring = set()
+    if isinstance(module, torch.jit.ScriptModule):
+        requiring = {name for name, parameter in module.named_parameters() if parameter.requires_grad}
+    requiring |= {name for name, tensor in compiler.tensor_attributes.items() if tensor.requires_grad}
+    return Script(graph, body, module_value, described, compiler.tensor_attributes, frozenset(requiring), compiler.problems)
 
 
 def initial_state(scripted, script: Script) -> dict:
@@ -719,6 +791,7 @@ def to_jax(scripted, source: Optional[str] = None) -> tuple[Callable, dict]:
         before_inputs = [tensor._value if isinstance(tensor, BridgeTensor) else None for tensor in tensors]
         before_state = [attributes[name]._value for name in names_in_state]
         frame = _Frame(attributes, source)
+        frame.requiring_grad = {id(attributes[name]) for name in script.requiring_grad if name in attributes}
         if script.module_value is not None:
             frame.values[script.module_value] = _Module("")
         with graph_trace(key):
@@ -758,7 +831,13 @@ def census(scripted) -> dict:
                 visit(inner)
 
     visit(script.body)
+    first_sites: dict = {}
     for node, reason in script.problems:
-        site = where(node)
-        statuses[NO_TRANSLATION][f"{node.kind()}: {reason}" + (f" (first at {site})" if site else "")] += 1
+        first_sites.setdefault((node.kind(), reason), where(node))
+        statuses[NO_TRANSLATION][(node.kind(), reason)] += 1
+    if first_sites:  # by kind and reason, with the first node's source line
+        statuses[NO_TRANSLATION] = collections.Counter({
+            f"{kind}: {reason}" + (f" (first at {first_sites[kind, reason]})" if first_sites[kind, reason] else ""): count
+            for (kind, reason), count in statuses[NO_TRANSLATION].items()
+        })
     return {status: dict(counts) for status, counts in statuses.items()}
