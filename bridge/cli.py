@@ -92,6 +92,25 @@ def _parser():
         description="Exit code 0 when every op runs on the bridge device, 1 when some would fall back to the CPU.",
     )
     check.add_argument("file", help="a torch.export program (.pt2)")
+    convert = commands.add_parser(
+        "convert",
+        help="write a saved program as a standalone JAX module (jax and numpy only) or a StableHLO artifact",
+        description=(
+            "Write FILE (whatever bridge.load reads) as a Python module of jax.lax calls that needs neither torch "
+            "nor the bridge, its parameters beside it, or with --to stablehlo as jax.export's serialization. "
+            "Exit code 0 when written, 1 when the program cannot be written, 2 when FILE cannot be read."
+        ),
+    )
+    convert.add_argument("file", help="a saved program: whatever bridge.load reads (a torch.export .pt2 file, ...)")
+    convert.add_argument("-o", "--output", help="the file to write (default: FILE's name with _jax.py, or .stablehlo)")
+    convert.add_argument(
+        "--to", choices=("jax", "stablehlo"), default="jax", help="jax (default): a Python module; stablehlo: jax.export's bytes"
+    )
+    convert.add_argument(
+        "--input", dest="inputs", action="append", metavar="SHAPE:DTYPE",
+        help="an input's shape and dtype (e.g. 1x3x224x224:float32), once per input in order, where FILE does not record them",
+    )
+    convert.add_argument("--platforms", help="with --to stablehlo: platforms to lower for, e.g. cpu,cuda (default: JAX's backend)")
     commands.add_parser(
         "doctor",
         help="print the torch, JAX and Python versions found, JAX's backend and devices, and what to install",
@@ -201,6 +220,10 @@ def main(argv=None):
             device=options.device,
             mode=options.mode,
         )
+    if options.command == "convert":
+        from bridge.convert import main as convert_main
+
+        return convert_main(options)
     if options.command == "check":
         from bridge.check import main as check_main
 
