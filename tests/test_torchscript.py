@@ -320,9 +320,10 @@ def test_moduleinfo_modules_through_torchscript():
     compat/reports/torchscript.md): traced and scripted, in both modes."""
     from bridge.compat import torchscript as sweep
 
-    names = ["nn.Linear", "nn.BatchNorm2d", "nn.GRU", "nn.Embedding"]
-    results = sweep.sweep(names)
+    names = ["nn.Linear", "nn.BatchNorm2d", "nn.GRU"]
+    results = sweep.sweep(names, sources=("script", "load"))
     assert {result[0] for result in results} == set(names)
     failed = [result for result in results if result[3] not in (sweep.PASSED, sweep.NOT_SCRIPTED)]
     assert not failed, failed
-    assert sum(result[3] == sweep.PASSED for result in results) >= 12
+    # torch cannot call a scripted nn.GRU (its overloaded forward): the 2 script pairs; the rest pass
+    assert sum(result[3] == sweep.PASSED for result in results) == 10, results
