@@ -969,7 +969,8 @@ def save_params(arrays: dict, path: str, suffix: str) -> None:
     if suffix == ".safetensors":
         from safetensors.numpy import save_file
 
-        save_file({name: np.ascontiguousarray(array) for name, array in arrays.items()}, path)
+        # (a copy in C order where needed: np.ascontiguousarray would make a 0-d array 1-d)
+        save_file({name: array if array.flags.c_contiguous else array.copy(order="C") for name, array in arrays.items()}, path)
         return
     dtypes, plain = {}, {}
     for name, array in arrays.items():
