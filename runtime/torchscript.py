@@ -822,9 +822,11 @@ def census(scripted) -> dict:
 
     def visit(block):
         for step in block.steps:
-            operator = step.detail if isinstance(step.detail, _Operator) else None
-            if operator is not None and ladder.in_dispatcher(operator.overload):
-                statuses[ladder.aten_status(operator.overload, MAPPINGS, {})][str(operator.overload)] += 1
+            overload = step.detail.overload if isinstance(step.detail, _Operator) else None
+            if step.run is _replaced:
+                overload = step.detail[0]
+            if overload is not None and ladder.in_dispatcher(overload):
+                statuses[ladder.aten_status(overload, MAPPINGS, {})][str(overload)] += 1
             else:
                 statuses[INTERPRETED][step.node.kind()] += 1
             for inner in step.blocks:
