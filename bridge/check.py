@@ -56,6 +56,8 @@ def main(path: str) -> int:
     if not os.path.exists(path):
         print(f"bridge check: no such file: {path}", file=sys.stderr)
         return 2
+    if path.endswith(".onnx"):
+        return _check_onnx(path)
     if path.endswith((".pt", ".pth", ".torchscript")):
         # TorchScript: its nodes by rung, and those without translation (runtime/torchscript.py).
         from bridge.activation import activate, is_active
@@ -83,3 +85,29 @@ def main(path: str) -> int:
     if stuck:
         print(f"bridge check: {stuck} op(s) would not run on the bridge device (above)", file=sys.stderr)
     return 1 if stuck else 0
+
+
+def _check_onnx(path: str) -> int:
+    """An ONNX model's nodes (its subgraphs' too) by op: mapped by the ONNX table, expanded by
+    the ONNX standard's function of the op, or with no mapping; nothing runs."""
+    from bridge.op_mappings import onnx_ops  # noqa: F401  (registers the ONNX table)
+    from bridge.runtime import onnx_graph
+    from bridge.runtime.errors import BridgeError
+
+    try:
+        model = onnx_graph.read_model(path)
+        opsets = onnx_graph.opsets_of(model, path)
+    except BridgeError as error:
+        print(f"bridge check: {error}", file=sys.stderr)
+        return 2
+    print(f"{path}: ai.onnx opset {opsets.get('', '(none)')}, {len(model.graph.initializer)} initializer(s)")
+    statuses = onnx_graph.unmapped_nodes(model, onnx_graph.ONNX_OPS)
+    for status, ops in sorted(statuses.items()):
+        print(f"{status}: {len(ops)} op(s), {sum(ops.values())} node(s)")
+        for name, count in sorted(ops.items(), key=lambda item: (-item[1], item[0])):
+            print(f"  {count:5d}  {name}")
+    missing = statuses.get("no mapping", {})
+    if missing:
+        print(f"bridge check: {len(missing)} op(s) of {path} have no mapping (above): bridge.load would stop at "
+              "their first node", file=sys.stderr)
+    return 1 if missing else 0

@@ -89,9 +89,19 @@ def load(source: Any) -> LoadedProgram:
         return LoadedProgram(torch.export.load(path))
     if path.endswith(TORCHSCRIPT_SUFFIXES):
         return LoadedScript(torchscript.load(path), path)
+    if path.endswith(".onnx"):
+        return _load_onnx(path)
     kind = "an ONNX model" if path.endswith(".onnx") else "this kind of file"
     raise NotImplementedError(
         f"bridge.load({path!r}): {kind} cannot be loaded yet; only torch.export programs (.pt2) and TorchScript archives (.pt) can. "
         "Export the model with torch.export.export and torch.export.save, or run the script that "
         "builds it under the bridge."
     )
+
+
+def _load_onnx(path: str) -> Any:
+    """An ONNX file as runtime/onnx_graph.OnnxProgram: its graph through the ONNX table."""
+    from bridge.op_mappings import onnx_ops  # noqa: F401  (registers the ONNX table; needs the onnx extra)
+    from bridge.runtime import onnx_graph
+
+    return onnx_graph.OnnxProgram(path, onnx_graph.ONNX_OPS)

@@ -112,6 +112,17 @@ def _similar(actual, expected, random):
     return None
 
 
+def _array(value):
+    """A case's input or output as NumPy (cases of exotic element types hold TensorProtos)."""
+    from onnx import TensorProto, numpy_helper
+
+    if isinstance(value, TensorProto):
+        return numpy_helper.to_array(value)
+    if isinstance(value, (list, tuple)):
+        return [_array(item) for item in value]
+    return value
+
+
 def _traceable(value):
     if isinstance(value, np.ndarray):
         return value.dtype != object
@@ -133,7 +144,7 @@ def run_case(case, table):
     except Exception as error:  # noqa: BLE001 - reported per case
         return FAILED, _reason(error)
     for inputs, expected in case.data_sets:
-        inputs = list(inputs)
+        inputs, expected = [_array(value) for value in inputs], [_array(value) for value in expected]
         traced = [position for position, value in enumerate(inputs) if _traceable(value)]
         status = PASSED
 

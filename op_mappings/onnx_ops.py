@@ -262,11 +262,13 @@ def _cast(x, dtype, saturate):
     if isinstance(x, np.ndarray) and (x.dtype == object or dtype == object):
         return _cast_strings(x, dtype)
     source = np.dtype(x.dtype)
-    if saturate and dtype.kind == "V" or (saturate and dtype.name.startswith("float8")):
+    if saturate and dtype.name.startswith(("float8", "float4")):
         # ONNX's saturating cast to float8: out-of-range finite values clamp to the largest.
         largest = float(jnp.finfo(dtype).max)
         if source.kind == "f" or source.name == "bfloat16":
-            x = jnp.where(jnp.isinf(x), x, jnp.clip(x, -largest, largest))
+            keeps_infinity = bool(np.isinf(np.asarray(np.inf, np.float32).astype(dtype)))
+            clipped = jnp.clip(x, -largest, largest)
+            x = jnp.where(jnp.isinf(x), x, clipped) if keeps_infinity else jnp.where(jnp.isnan(x), x, clipped)
     if dtype == np.bool_:
         return x != 0
     return jnp.asarray(x).astype(dtype)

@@ -18,6 +18,7 @@ import collections
 import dataclasses
 import inspect
 import os
+import warnings
 from typing import Any, Callable, Optional
 
 import jax
@@ -25,7 +26,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-from .errors import DataDependentShapeError, SavedModelError, UnsupportedOnnxOpError, UnsupportedOpsetError
+from .errors import BridgeWarning, DataDependentShapeError, SavedModelError, UnsupportedOnnxOpError, UnsupportedOpsetError
 
 # The ai.onnx opsets the table is written for: before 7, binary ops broadcast only with a
 # `broadcast` attribute and several ops had other attributes.
@@ -247,7 +248,10 @@ def _function_body(node: Any, inputs: list, context: _Context) -> Any:
     except Exception:  # noqa: BLE001 - an op the standard does not know: no body
         return None
     if schema.has_function:
-        return schema.get_function_with_opset_version(opset) or schema.function_body
+        function = schema.get_function_with_opset_version(opset) or schema.function_body
+        if isinstance(function, bytes):
+            function = onnx.FunctionProto.FromString(function)
+        return function
     if schema.has_context_dependent_function:
         types = []
         for value in inputs:
@@ -299,7 +303,8 @@ def _run_function(function: Any, node: Any, inputs: list, attributes: dict, cont
                 copied.attribute.append(attribute)
         body_nodes.append(copied)
     _run_nodes(body_nodes, scope, inner)
-    return [scope[name] for name in function.output]
+    # (optional outputs the body does not make for these inputs stay absent)
+    return tuple(scope.get(name) for name in function.output)
 
 
 def _run_node(node: Any, scope: collections.ChainMap, context: _Context) -> None:
@@ -492,7 +497,17 @@ class OnnxProgram:
                 arrays.append(read_value(to_bridge(value)))
             else:
                 arrays.append(jnp.asarray(value))
-        outputs = self._compiled(self.state, *arrays, key=random.next_key())
+        key = random.next_key()
+        if self._compiled is not None:
+            try:
+                outputs = self._compiled(self.state, *arrays, key=key)
+            except DataDependentShapeError as error:
+                # A shape that comes from the data (NonZero, a computed Reshape): no static
+                # program holds it, so the graph runs node by node from now on, said once.
+                warnings.warn(f"{error} It runs node by node (eager JAX) instead of as one XLA program.", BridgeWarning, stacklevel=2)
+                self._compiled = None
+        if self._compiled is None:
+            outputs = self.jax_function(self.state, *arrays, key=key)
         wrapped = tuple(BridgeTensor(value, 0) if isinstance(value, jax.Array) else value for value in outputs)
         return wrapped[0] if len(wrapped) == 1 else wrapped
 
