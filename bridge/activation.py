@@ -88,6 +88,7 @@ def activate(device: str = "auto", strict: bool = False, check_signatures: bool 
         raise
     _state["patches"] = patches
     _state["active"] = True
+    _state["options"] = {"device": device, "strict": strict, "check_signatures": check_signatures, "mode": mode}
     stats.reset()
     capture.reset()
 
@@ -129,6 +130,14 @@ def _use_compilation_cache():
     # Eager entries compile in milliseconds each; cache them all.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def activation_options() -> dict:
+    """The arguments the bridge was activated with (a process the script starts activates the same way)."""
+    options = dict(_state.get("options") or {})
+    if options:
+        options["mode"] = settings.mode
+    return options
 
 
 def set_mode(mode: str) -> str:

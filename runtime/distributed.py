@@ -86,18 +86,23 @@ def coordinator_address(master: tuple[str, int]) -> str:
     return f"{host}:{port + 1}"
 
 
+def refuse_late_start(site: str = "") -> None:
+    if backends_started():
+        where = f"init_process_group at {site}: " if site else ""
+        raise DistributedError(
+            f"{where}torch.distributed needs to join the other processes before JAX starts its devices, but a "
+            "tensor was already put on the device. Call torch.distributed.init_process_group before "
+            "the first tensor goes to 'cuda', or start the script with torchrun (or "
+            "`python -m bridge run --nproc-per-node N script.py`), which joins them at startup."
+        )
+
+
 def start(rank: int, size: int, local_rank: int, local_size: int, coordinator: str, platform: Optional[str],
           timeout_seconds: float = 300) -> World:
     """Join the other processes through jax.distributed (before any JAX backend starts)."""
     if _world[0] is not None:
         return _world[0]
-    if backends_started():
-        raise DistributedError(
-            "torch.distributed needs to join the other processes before JAX starts its devices, but a "
-            "tensor was already put on the device. Call torch.distributed.init_process_group before "
-            "the first tensor goes to 'cuda', or start the script with torchrun (or "
-            "`python -m bridge run --nproc-per-node N script.py`), which joins them at startup."
-        )
+    refuse_late_start()
     if platform in (None, "cpu"):
         # JAX's CPU backend moves collectives between processes with gloo (GPUs use NCCL).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")

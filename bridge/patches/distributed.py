@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import inspect
 import os
+import sys
 from typing import Any
 
 import jax
@@ -20,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.multiprocessing
 import torch.nn.parallel
 import torch.nn.parallel.distributed
 from torch._C import _distributed_c10d as c10d
@@ -68,74 +70,78 @@ def _timeout_seconds(timeout) -> float:
     return timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else float(timeout)
 
 
-def _master(init_method) -> tuple[str, int]:
-    if init_method and init_method.startswith("tcp://"):
-        host, port = init_method[len("tcp://"):].split("?")[0].rsplit(":", 1)
-        return host, int(port)
-    if init_method and not init_method.startswith("env://"):
-        if os.environ.get("BRIDGE_COORDINATOR"):
-            return ("", 0)  # the coordinator is named outright
-        raise DistributedError(
-            f"init_process_group(init_method={init_method!r}) at {user_call_site()}: the bridge joins "
-            "processes through JAX's coordination service, which needs a host and a port: use "
-            "init_method='tcp://host:port' or 'env://' (MASTER_ADDR, MASTER_PORT), or set "
-            "BRIDGE_COORDINATOR=host:port for it"
-        )
+def _master(store) -> tuple[str, int]:
+    """Where torch's store listens (its TCPStore under the prefixes), else MASTER_ADDR/MASTER_PORT."""
+    while store is not None and not isinstance(store, dist.TCPStore):
+        store = getattr(store, "underlying_store", None)
+    if store is not None:
+        return store.host, store.port
     try:
         return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     except KeyError as missing:
+        if os.environ.get("BRIDGE_COORDINATOR"):
+            return ("", 0)  # the coordinator is named outright
         raise DistributedError(
-            f"init_process_group at {user_call_site()}: the environment variable {missing} is not set; "
-            "start the script with torchrun (or `python -m bridge run --nproc-per-node N`), or set "
-            "MASTER_ADDR and MASTER_PORT as torch's env:// initialization needs"
+            f"init_process_group at {user_call_site()}: the bridge joins processes through JAX's coordination "
+            f"service, which needs a host and a port, and {missing} is not set; use init_method='env://' "
+            "(MASTER_ADDR, MASTER_PORT) or 'tcp://host:port', start the script with torchrun, or set "
+            "BRIDGE_COORDINATOR=host:port"
         ) from None
 
 
-@wrap(dist, "init_process_group")
-def init_process_group(wrapped, instance, args, kwargs):
-    return _init_process_group(wrapped, args, kwargs)
+@wrap(dist.distributed_c10d, "rendezvous")
+def rendezvous(wrapped, instance, args, kwargs):
+    # Before torch's store waits for the other processes: a process that cannot join them any
+    # more says so now rather than after they have all connected.
+    world_size = args[2] if len(args) > 2 else kwargs.get("world_size", -1)
+    if world_size < 0:
+        world_size = (collectives.launched_environment() or {}).get("size", 1)
+    if world_size > 1 and collectives.world() is None:
+        collectives.refuse_late_start(user_call_site())
+    return wrapped(*args, **kwargs)
 
 
-@wrap(dist.distributed_c10d, "init_process_group")
-def c10d_init_process_group(wrapped, instance, args, kwargs):
-    return _init_process_group(wrapped, args, kwargs)
-
-
-def _init_process_group(wrapped, args, kwargs):
+# Patched where init_process_group and new_group make their groups (not init_process_group
+# itself): a script started by torch.multiprocessing.spawn imported `init_process_group` from
+# torch.distributed before the bridge was active in its process.
+@wrap(dist.distributed_c10d, "_new_process_group_helper")
+def new_process_group_helper(wrapped, instance, args, kwargs):
     bound = inspect.signature(wrapped).bind(*args, **kwargs)
     arguments = bound.arguments
-    requested = arguments.get("backend")
-    name = str(requested).lower() if requested is not None else "nccl"
-    if name not in _SERVED:
+    requested = str(arguments["backend"]).lower()
+    if requested not in _SERVED:
         raise DistributedError(
-            f"init_process_group(backend={requested!r}) at {user_call_site()}: under the bridge the "
-            f"collectives run on JAX, which serves {', '.join(repr(n) for n in _SERVED[:3])}; pass one of "
-            "those (the script's tensors live on the bridge device)"
+            f"a process group with backend {arguments['backend']!r} at {user_call_site()}: under the bridge the "
+            f"collectives run on JAX, which serves {', '.join(repr(n) for n in _SERVED[:3])}; pass one of those "
+            "(the script's tensors live on the bridge device)"
         )
     arguments["backend"] = BACKEND
+    if not arguments["global_ranks_in_group"]:  # the default group: every process of the run
+        _join(arguments["group_rank"], arguments["group_size"], arguments["store"], arguments.get("timeout"))
+    group, store = wrapped(*bound.args, **bound.kwargs)
+    _requested[group] = requested if requested != BACKEND else _requested.get(dist.GroupMember.WORLD, "nccl")
+    return group, store
+
+
+def _join(rank, size, store, timeout):
+    joined = collectives.world()
+    if joined is not None:
+        if (joined.rank, joined.size) != (rank, size):
+            raise DistributedError(
+                f"init_process_group(rank={rank}, world_size={size}) at {user_call_site()}: this process already "
+                f"joined as rank {joined.rank} of {joined.size} (from the launcher's RANK and WORLD_SIZE); pass "
+                "the same numbers, or none"
+            )
+        return
+    if size < 2:
+        return
     launched = collectives.launched_environment() or {}
-    rank = arguments.get("rank", -1)
-    rank = launched.get("rank", 0) if rank is None or rank < 0 else rank
-    size = arguments.get("world_size", -1)
-    size = launched.get("size", 1) if size is None or size < 0 else size
-    timeout = arguments.get("timeout")
-    if size > 1 and collectives.world() is None:
-        local_rank = launched.get("local_rank")
-        if local_rank is None:
-            # Started by torch.multiprocessing.spawn: one host, the device the script set.
-            local_rank = devices.current_index() if devices.current_index() != 0 else rank
-        _start(rank, size, local_rank, launched.get("local_size", size), _master(arguments.get("init_method")),
-               _timeout_seconds(timeout), settings.platform)
-    elif size > 1 and (collectives.world().rank, collectives.world().size) != (rank, size):
-        joined = collectives.world()
-        raise DistributedError(
-            f"init_process_group(rank={rank}, world_size={size}) at {user_call_site()}: this process "
-            f"already joined as rank {joined.rank} of {joined.size} (from the launcher's RANK and "
-            "WORLD_SIZE); pass the same numbers, or none"
-        )
-    result = wrapped(**arguments)
-    _requested[dist.GroupMember.WORLD] = name
-    return result
+    local_rank = launched.get("local_rank")
+    if local_rank is None:
+        # Started by torch.multiprocessing.spawn: one host; the device the script set, else its rank's.
+        local_rank = devices.current_index() if devices.current_index() != 0 else rank
+    _start(rank, size, local_rank, launched.get("local_size", size), _master(store), _timeout_seconds(timeout),
+           settings.platform)
 
 
 @wrap(dist, "get_backend")
@@ -143,12 +149,57 @@ def get_backend(wrapped, instance, args, kwargs):
     name = wrapped(*args, **kwargs)
     if name != BACKEND:
         return name
-    return _requested.get(dist.GroupMember.WORLD, "nccl")
+    group = (args[0] if args else kwargs.get("group")) or dist.GroupMember.WORLD
+    return _requested.get(group, _requested.get(dist.GroupMember.WORLD, "nccl"))
 
 
 @wrap(dist.distributed_c10d, "get_backend")
 def c10d_get_backend(wrapped, instance, args, kwargs):
     return get_backend(wrapped, instance, args, kwargs)
+
+
+# ---------------------------------------------------------------- torch.multiprocessing.spawn
+
+
+class ActivatedEntry:
+    """What a process started by torch.multiprocessing.spawn runs under the bridge: the script's
+    function, in a process where the bridge is active as in its parent. The process joins the
+    others at init_process_group, so JAX starts no device before it (the device the script sets
+    first, `torch.cuda.set_device(rank)`, is checked once joined)."""
+
+    def __init__(self, function, options, host_devices):
+        self.function = function
+        self.options = options
+        self.host_devices = host_devices
+
+    def __call__(self, index, *args):
+        from bridge.activation import activate
+
+        activate(**self.options)
+        devices.defer_checks(self.host_devices)
+        return self.function(index, *args)
+
+
+def _start_processes(wrapped, instance, args, kwargs):
+    bound = inspect.signature(wrapped).bind(*args, **kwargs)
+    if bound.arguments.get("start_method", "spawn") != "fork":
+        from bridge.activation import activation_options
+
+        bound.arguments["fn"] = ActivatedEntry(bound.arguments["fn"], activation_options(), devices.device_count())
+    return wrapped(*bound.args, **bound.kwargs)
+
+
+_spawn_module = sys.modules["torch.multiprocessing.spawn"]
+
+
+@wrap(_spawn_module, "start_processes")
+def spawn_start_processes(wrapped, instance, args, kwargs):
+    return _start_processes(wrapped, instance, args, kwargs)
+
+
+@wrap(torch.multiprocessing, "start_processes")
+def multiprocessing_start_processes(wrapped, instance, args, kwargs):
+    return _start_processes(wrapped, instance, args, kwargs)
 
 
 # ---------------------------------------------------------------- the backend
