@@ -385,6 +385,10 @@ def _single(step, result) -> list:
 
 def _constant(frame, step, inputs):
     value = step.detail
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        # A 0-dim constant stays on the host, as torch lets it meet tensors of any device: a
+        # traced model computes sizes with such constants and reads them back with aten::Int.
+        return [value.clone()]
     if isinstance(value, torch.Tensor):
         # A tensor the trace recorded as a constant: on the bridge device, made anew each run
         # (ops may write to it).
@@ -641,6 +645,12 @@ _CONTAINERS = {
     "aten::clear": lambda container: container.clear(),
     "aten::copy": lambda container: type(container)(container),
     "aten::list": list,
+    "aten::slice": lambda container, start=None, end=None, step=1: container[start:end:step],
+    # (on lists, torch.ops cannot tell the element type of a generic `t[]`; on numbers, the same)
+    "aten::add": lambda first, second: first + second,
+    "aten::mul": lambda first, second: first * second,
+    "aten::eq": lambda first, second: first == second,
+    "aten::ne": lambda first, second: first != second,
     "aten::__contains__": lambda container, key: key in container,
     "aten::keys": lambda container: list(container.keys()),
     "aten::values": lambda container: list(container.values()),
