@@ -44,6 +44,21 @@ EXPECTED_FAILURES = {
     "ai.onnx.preview.training::Adam": "training ops (ai.onnx.preview.training) are not in the table",
     "ai.onnx.preview.training::Momentum": "training ops (ai.onnx.preview.training) are not in the table",
 }
+# Single cases the bridge does not pass, with the reason.
+EXPECTED_CASE_FAILURES = {
+    **{f"test_cast_{source}_to_{target}": "JAX has no 2-bit integer types" for source in ("FLOAT", "FLOAT16") for target in ("UINT2", "INT2")},
+    **{f"test_cast_{source}_to_{target}": "ONNX wraps out-of-range values into 4 bits; the cast saturates (not matched yet)"
+       for source in ("FLOAT", "FLOAT16") for target in ("UINT4", "INT4")},
+    **{f"test_cast_{source}_to_FLOAT8E5M2": "saturating float8 e5m2 cast: ONNX's rounding of values past the largest (not matched yet)"
+       for source in ("FLOAT", "FLOAT16")},
+    **{f"test_cast_e8m0_{source}_to_FLOAT8E8M0": "float8 e8m0: ONNX rounds up (round_mode), ml_dtypes to nearest" for source in ("FLOAT", "FLOAT16")},
+    **{f"test_not_{rank}d": "opset 1: the table reads opsets 7 and later" for rank in (2, 3, 4)},
+    "test_maxpool_with_argmax_2d_precomputed_strides": "MaxPool's Indices output with strides (not matched yet)",
+    **{f"test_resize_downsample_{kind}_antialias": "Resize's antialias filter when downsampling (not matched yet)"
+       for kind in ("scales_linear", "sizes_linear", "scales_cubic", "sizes_cubic")},
+    **{f"test_resize_downsample_scales_{mode}_align_corners": "Resize align_corners with downsampling scales (not matched yet)"
+       for mode in ("linear", "cubic")},
+}
 RANDOM_OPS = {"Bernoulli", "RandomUniformLike", "RandomNormalLike", "RandomUniform", "RandomNormal", "Multinomial"}
 
 
@@ -197,6 +212,8 @@ def run(only=None, out=None, echo=print):
         op = case_op(case)
         if status in (FAILED, UNSUPPORTED) and op in EXPECTED_FAILURES:
             detail = f"expected: {EXPECTED_FAILURES[op]}"
+        elif status in (FAILED, UNSUPPORTED) and case.name in EXPECTED_CASE_FAILURES:
+            detail = f"expected: {EXPECTED_CASE_FAILURES[case.name]} ({detail})"
         results.append((case.name, op, case_opset(case), status, detail))
         if echo and (number % 100 == 0 or status == FAILED and only):
             echo(f"[{number + 1}/{len(cases)}] {case.name}: {status} {detail}")

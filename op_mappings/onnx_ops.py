@@ -207,8 +207,8 @@ _BINARY = {
 def _register_binary(op_type, function):
     @register_onnx_op(op_type)
     def binary(a, b):
-        if isinstance(a, np.ndarray) and a.dtype == object:  # strings (Equal), known while tracing
-            return np.asarray(function(a, b))
+        if isinstance(a, np.ndarray) and a.dtype.kind in "OUS":  # strings (Equal), known while tracing
+            return np.equal(a.astype(object), np.asarray(b).astype(object))
         return function(a, b)
 
     binary.__name__ = op_type.lower()

@@ -162,14 +162,15 @@ def average_pool(x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dila
     dilation = (1, 1) + tuple(dilations)
     window_padding = [(0, 0), (0, 0)] + [(begin, end + more) for (begin, end), more in zip(padding, extra)]
     total = lax.reduce_window(x, jnp.zeros((), x.dtype), lax.add, window, step, window_padding, window_dilation=dilation)
-    ones = jnp.ones((1, 1) + x.shape[2:], x.dtype)
-    if count_include_pad:
-        # Explicit pads count; what ceil_mode adds past them does not.
-        ones = jnp.pad(ones, [(0, 0), (0, 0)] + list(padding), constant_values=1)
-        count_padding = [(0, 0), (0, 0)] + [(0, more) for more in extra]
-    else:
-        count_padding = window_padding
-    counts = lax.reduce_window(ones, jnp.zeros((), x.dtype), lax.add, window, step, count_padding, window_dilation=dilation)
+    with jax.ensure_compile_time_eval():  # counts depend on shapes only: computed now, not folded by XLA
+        ones = jnp.ones((1, 1) + x.shape[2:], x.dtype)
+        if count_include_pad:
+            # Explicit pads count; what ceil_mode adds past them does not.
+            ones = jnp.pad(ones, [(0, 0), (0, 0)] + list(padding), constant_values=1)
+            count_padding = [(0, 0), (0, 0)] + [(0, more) for more in extra]
+        else:
+            count_padding = window_padding
+        counts = np.asarray(lax.reduce_window(ones, jnp.zeros((), x.dtype), lax.add, window, step, count_padding, window_dilation=dilation))
     return (total / counts).astype(x.dtype)
 
 

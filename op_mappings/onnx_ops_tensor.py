@@ -250,7 +250,7 @@ def gather_nd(data, indices, *, batch_dims=0):
 
 
 def _scatter_update(target, index, updates, reduction):
-    at = target.at[index]
+    at = jnp.asarray(target).at[index]  # (a NumPy constant has no .at)
     if reduction == "add":
         return at.add(updates)
     if reduction == "mul":
