@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch._decomp
 
-from . import devices, precision, random, stats
+from . import devices, distributed, precision, random, stats
 from .compiled_ops import CompiledEntry
 from .callsite import user_call_site, warn_at_user_site
 from .config import settings
@@ -369,7 +369,7 @@ def _make_plan(func):
         stats.op_rung[func] = stats.MAPPED
         stats.op_family[func] = "shapes"
         return plan
-    if func.namespace == "c10d":
+    if func.namespace in ("c10d", "_c10d_functional"):
         plan = _plans[func] = _collective_plan(func)
         stats.op_rung[func] = stats.MAPPED
         stats.op_family[func] = "distributed"
@@ -425,6 +425,13 @@ def _collective_plan(func):
     """torch.distributed's ops (c10d::allreduce_ and kin) carry their process group: their CPU
     kernel hands the tensors as they are to the group's backend, which under the bridge is the
     bridge's (bridge/patches/distributed.py) and runs the collective on the device."""
+    if func.namespace == "_c10d_functional":
+        # The functional forms allocate their results (on the host, to torch's C++): the bridge
+        # runs them itself, its results on the device (runtime/distributed.py).
+        def functional(args, kwargs):
+            return distributed.functional_collective(func, args, kwargs, user_call_site())
+
+        return functional
     kernel = functools.partial(func._op_dk, torch._C.DispatchKey.CPU)
 
     def plan(args, kwargs):
@@ -899,6 +906,9 @@ def _mutating_plan(func, mapping):
             target = args[position] if position < len(args) else kwargs.get(name)
             if isinstance(target, BridgeTensor):
                 write_value(target, value.astype(read_value(target).dtype))
+            elif isinstance(target, (list, tuple)):  # a Tensor(a!)[] argument: one value each
+                for item, item_value in zip(target, value):
+                    write_value(item, item_value.astype(read_value(item).dtype))
         return out
 
     return run

@@ -329,3 +329,98 @@ def send_receive(array: jax.Array, source: int, destination: int) -> jax.Array:
     """Point to point: both ranks call it, the source with its value, the destination with a
     buffer of the same shape; the destination gets the source's value."""
     return _run("send", (source, destination), [array])[0]
+
+
+# ---------------------------------------------------------------- functional collectives
+
+# Each group's timeout (its ranks -> seconds), as the process group that serves it was made with.
+_timeouts: dict = {}
+
+
+def set_timeout(group: tuple, seconds: float) -> None:
+    _timeouts[group] = seconds
+
+
+def _group_of(name) -> tuple:
+    import torch.distributed as dist
+
+    group = torch_resolve_group(name)
+    return tuple(dist.distributed_c10d.get_process_group_ranks(group)), group.rank()
+
+
+def torch_resolve_group(name):
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
+
+
+def functional_collective(func, args, kwargs, site: str = ""):
+    """torch's functional collectives (`torch.ops._c10d_functional`: what DTensor, FSDP2's state
+    dicts and compiled programs call) on bridge tensors: new tensors for the results, the inputs
+    written by the in-place forms."""
+    from .tensor import BridgeTensor, read_value, write_value
+
+    name = func._schema.name.split("::", 1)[1]
+    values = {argument.name: (args[i] if i < len(args) else kwargs.get(argument.name, argument.default_value))
+              for i, argument in enumerate(func._schema.arguments)}
+    if name in ("wait_tensor", "_wrap_tensor_autograd"):
+        return values["tensor" if "tensor" in values else "input"]
+    group, group_rank = _group_of(values["group_name"])
+    if len(group) > 1:
+        meet(group, name, _timeouts.get(group, 600.0), site)
+    index = values.get("input", (values.get("inputs") or [None])[0])._index
+
+    def made(array):
+        return BridgeTensor(array, index)
+
+    reduction = str(values.get("reduce_op", "sum")).upper()
+    if name.startswith("all_reduce"):
+        inputs = values["inputs"] if "coalesced" in name else [values["input"]]
+        results = all_reduce([read_value(t) for t in inputs], group, reduction)
+        if name.endswith("_"):
+            for tensor, result in zip(inputs, results):
+                write_value(tensor, result)
+            return inputs if "coalesced" in name else inputs[0]
+        return [made(r) for r in results] if "coalesced" in name else made(results[0])
+    if name.startswith("all_gather_into_tensor"):
+        inputs = values["inputs"] if "coalesced" in name else [values["input"]]
+        results = []
+        for tensor in inputs:
+            gathered = all_gather(read_value(tensor), group)
+            shape = (gathered.shape[0] * gathered.shape[1],) + gathered.shape[2:] if gathered.ndim > 1 else gathered.shape
+            results.append(gathered.reshape(shape))
+        if name.endswith("_out"):
+            write_value(values["out"], results[0])
+            return values["out"]
+        return [made(r) for r in results] if "coalesced" in name else made(results[0])
+    if name.startswith("reduce_scatter_tensor"):
+        inputs = values["inputs"] if "coalesced" in name else [values["input"]]
+        results = []
+        for tensor in inputs:
+            value = read_value(tensor)
+            stacked = value.reshape((len(group), value.shape[0] // len(group)) + value.shape[1:])
+            results.append(reduce_scatter(stacked, group, reduction))
+        if name.endswith("_out"):
+            write_value(values["out"], results[0])
+            return values["out"]
+        return [made(r) for r in results] if "coalesced" in name else made(results[0])
+    if name in ("broadcast", "broadcast_"):
+        result = broadcast([read_value(values["input"])], group, values["src"])[0]
+        if name.endswith("_"):
+            write_value(values["input"], result)
+            return values["input"]
+        return made(result)
+    if name == "all_to_all_single":
+        value = read_value(values["input"])
+        splits = set(values["output_split_sizes"] or ()) | set(values["input_split_sizes"] or ())
+        if len(splits) > 1:
+            raise DistributedError(
+                f"all_to_all_single with uneven split sizes at {site}: the bridge's all_to_all sends equal "
+                "chunks; pad the chunks to one size"
+            )
+        stacked = value.reshape((len(group), value.shape[0] // len(group)) + value.shape[1:])
+        return made(all_to_all(stacked, group).reshape(value.shape))
+    raise DistributedError(
+        f"torch.ops._c10d_functional.{name} at {site}: the bridge has no rule for it yet; use the "
+        "torch.distributed collective it stands for (all_reduce, all_gather_into_tensor, ...)"
+    )

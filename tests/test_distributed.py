@@ -82,6 +82,21 @@ def test_ddp_matches_torchs_ddp_and_one_process(mode, tmp_path):
         torch.testing.assert_close(saved[key], expected[key], rtol=1e-5, atol=1e-6)
 
 
+def test_fsdp2_matches_one_process_and_gathers_a_torch_checkpoint(tmp_path):
+    """fully_shard per block and at the root over a device mesh, AdamW; the full state dict that
+    torch.distributed.checkpoint gathers for rank 0 loads in plain torch."""
+    checkpoint = str(tmp_path / "fsdp.pt")
+    sharded = _succeeded(_launch(2, "train_fsdp.py", "--checkpoint", checkpoint))
+    single = _succeeded(run_python("-m", "bridge", "run", "--quiet", os.path.join(SCRIPTS, "train_fsdp.py"),
+                                   "--checkpoint", str(tmp_path / "single.pt")))
+    _assert_same_training(sharded, single)
+    saved, expected = torch.load(checkpoint), torch.load(str(tmp_path / "single.pt"))
+    assert list(saved) == list(expected)
+    for key in saved:
+        assert type(saved[key]) is torch.Tensor
+        torch.testing.assert_close(saved[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
 def test_ddp_with_batch_norm_matches_torchs_ddp():
     """BatchNorm's buffers are rank 0's on every rank before each forward (broadcast_buffers)."""
     options = ["--norm", "--steps", "3"]

@@ -55,12 +55,38 @@ def parse_to(wrapped, instance, args, kwargs):
     return wrapped(*args, **kwargs)
 
 
+def _other_subclass(tensor):
+    """A tensor subclass with its own dispatch (DTensor, FakeTensor): it moves its inner tensors
+    through torch's ops, which reach the bridge for a bridge tensor inside."""
+    kind = type(tensor)
+    return kind is not BridgeTensor and kind.__torch_dispatch__ is not _PLAIN_DISPATCH
+
+
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__
+
+
+def _holds_bridge_tensors(tensor):
+    """Whether a traceable wrapper subclass (DTensor) holds bridge tensors: it is on the bridge
+    device then, whatever its wrapper's C++ device says."""
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if flatten is None:
+        return False
+    inner = [value for value in (getattr(tensor, name) for name in flatten()[0]) if isinstance(value, torch.Tensor)]
+    return bool(inner) and all(isinstance(value, BridgeTensor) for value in inner)
+
+
 @wrap(torch.Tensor, "to")
 def tensor_to(wrapped, instance, args, kwargs):
     device, dtype = _parse_to(args, kwargs)
     index = devices.bridge_index(device)
     if index is None:
         return wrapped(*args, **kwargs)
+    if _other_subclass(instance):
+        if not _holds_bridge_tensors(instance):
+            return wrapped(*args, **kwargs)
+        # Already on the bridge device (a DTensor of bridge tensors): torch's C++ `.to('cuda')`
+        # would start CUDA itself before dispatching, so only the dtype is passed on.
+        return instance if dtype is None else wrapped(dtype)
     tensor = instance if dtype is None or dtype == instance.dtype else instance.to(dtype)
     if is_lazy(instance):
         return _lazy_to(instance, tensor, index)
@@ -69,6 +95,8 @@ def tensor_to(wrapped, instance, args, kwargs):
 
 @wrap(torch.Tensor, "cuda")
 def tensor_cuda(wrapped, instance, args, kwargs):
+    if _other_subclass(instance) and _holds_bridge_tensors(instance):
+        return instance
     device = args[0] if args else kwargs.get("device")
     index = devices.current_index() if device is None else devices.bridge_index(device)
     if index is None:
@@ -338,13 +366,19 @@ _RANDOM_FACTORIES = {"rand", "randn", "randint", "randperm", "normal", "rand_lik
 _META = torch.device("meta")
 
 
+_FAKE_MODE_ACTIVE = torch._C._get_dispatch_mode
+_FAKE = torch._C._TorchDispatchModeKey.FAKE
+
+
 def _factory(wrapped, instance, args, kwargs):
     if kwargs.get("pin_memory"):
         # Host memory the JAX runtime copies from needs no pinning through torch (which asks
         # the CUDA driver for it: safetensors' load_file(device="cuda") does).
         kwargs = dict(kwargs, pin_memory=False)
     device = kwargs.get("device")
-    if device is None:
+    if device is None or _FAKE_MODE_ACTIVE(_FAKE):
+        # (Under a FakeTensorMode, DTensor's sharding propagation and torch.export's tracing,
+        # a 'cuda' tensor is metadata only: torch's fake 'cuda' tensor is the one they need.)
         return wrapped(*args, **kwargs)
     index = devices.bridge_index(device)
     if index is None:

@@ -116,6 +116,8 @@ def new_process_group_helper(wrapped, instance, args, kwargs):
             "(the script's tensors live on the bridge device)"
         )
     arguments["backend"] = BACKEND
+    if "torch.distributed.fsdp" in sys.modules:
+        import bridge.op_mappings.sharding  # noqa: F401  (FSDP2's own ops: see there)
     if not arguments["global_ranks_in_group"]:  # the default group: every process of the run
         _join(arguments["group_rank"], arguments["group_size"], arguments["store"], arguments.get("timeout"))
     group, store = wrapped(*bound.args, **bound.kwargs)
@@ -269,6 +271,7 @@ class BridgeBackend(c10d.Backend):
         ranks = tuple(options.global_ranks_in_group) or tuple(range(options.group_size))
         self.group = ranks
         self.timeout = options.timeout.total_seconds() if options.timeout else _timeout_seconds(None)
+        collectives.set_timeout(ranks, self.timeout)
 
     def getBackendName(self):
         return BACKEND
@@ -312,6 +315,14 @@ class BridgeBackend(c10d.Backend):
     def _allgather_base(self, output, tensor, options):
         return self.all_gather_single(output, tensor, options)
 
+    def all_gather_single_coalesced(self, outputs, tensors, options):
+        for output, tensor in zip(outputs, tensors):
+            self.all_gather_single(output, tensor, options)
+        return _Done(outputs)
+
+    def allgather_into_tensor_coalesced(self, outputs, tensors, options):
+        return self.all_gather_single_coalesced(outputs, tensors, options)
+
     def reduce_scatter(self, outputs, input_lists, options):
         self._meet("reduce_scatter")
         reduction, factor = _reduction(options.reduceOp)
@@ -330,6 +341,14 @@ class BridgeBackend(c10d.Backend):
 
     def _reduce_scatter_base(self, output, tensor, options):
         return self.reduce_scatter_single(output, tensor, options)
+
+    def reduce_scatter_single_coalesced(self, outputs, tensors, options):
+        for output, tensor in zip(outputs, tensors):
+            self.reduce_scatter_single(output, tensor, options)
+        return _Done(outputs)
+
+    def reduce_scatter_tensor_coalesced(self, outputs, tensors, options):
+        return self.reduce_scatter_single_coalesced(outputs, tensors, options)
 
     def all_to_all_single(self, output, tensor, output_splits, input_splits, options):
         size = len(self.group)

@@ -1,0 +1,85 @@
+"""FSDP2 (`fully_shard`) training as its tutorial writes it: each block and the root sharded over
+a 1-D device mesh, AdamW, a full state dict gathered for rank 0's checkpoint; run by
+tests/test_distributed.py under plain torch with gloo, under the bridge, and as one process
+with the same global batch (no sharding)."""
+
+import argparse
+import os
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--device", default="cuda")
+parser.add_argument("--backend", default="nccl")
+parser.add_argument("--steps", type=int, default=3)
+parser.add_argument("--batch", type=int, default=8, help="global batch")
+parser.add_argument("--checkpoint")
+options = parser.parse_args()
+
+distributed = "RANK" in os.environ
+if distributed:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if options.device == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(options.backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh(options.device, (world,))
+    device = torch.device(options.device, local_rank) if options.device == "cuda" else torch.device("cpu")
+else:
+    rank, world, device = 0, 1, torch.device(options.device)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.norm = torch.nn.LayerNorm(16)
+
+    def forward(self, x):
+        return x + torch.tanh(self.linear(self.norm(x)))
+
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(6, 16), Block(), Block(), torch.nn.Linear(16, 3)).to(device)
+if distributed:
+    for block in model[1:3]:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+
+generator = torch.Generator().manual_seed(1)
+inputs_all, targets_all = torch.randn(64, 6, generator=generator), torch.randint(0, 3, (64,), generator=generator)
+local = options.batch // world
+for step in range(options.steps):
+    start = step * options.batch + rank * local
+    inputs, targets = inputs_all[start:start + local].to(device), targets_all[start:start + local].to(device)
+    optimizer.zero_grad()
+    loss = F.cross_entropy(model(inputs), targets)
+    loss.backward()
+    optimizer.step()
+    reported = loss.detach().clone()
+    if distributed:
+        dist.all_reduce(reported)
+        reported /= world
+    if rank == 0:
+        print(f"step {step} loss {reported.item():.7f}", flush=True)
+
+if distributed:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+else:
+    state = {key: value.cpu() for key, value in model.state_dict().items()}
+if rank == 0:
+    flat = torch.cat([value.flatten() for value in state.values()])
+    print("weights", " ".join(f"{value:.7f}" for value in flat[-12:].tolist()), flush=True)
+    if options.checkpoint:
+        torch.save(state, options.checkpoint)
+if distributed:
+    dist.barrier()
+    dist.destroy_process_group()
