@@ -263,7 +263,7 @@ def _check_dropout(dropout_p):
 def _on_gpu():
     from bridge.runtime import devices
 
-    return devices.jax_device(0).platform == "gpu"
+    return devices.first_device().platform == "gpu"
 
 
 def _cudnn_output(query, key, value, is_causal, attn_mask, scale):
