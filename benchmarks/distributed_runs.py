@@ -46,7 +46,7 @@ def _synthetic(nanogpt):
 
 
 def nanogpt(nanogpt_dir, processes, bridge, iterations, timeout, log):
-    accumulation = 2 * processes  # two micro-batches per process and iteration
+    accumulation = 2 * max(processes, 1)  # two micro-batches per process and iteration
     arguments = ["train.py", "--dataset=synthetic", "--batch_size=8", "--block_size=1024",
                  f"--gradient_accumulation_steps={accumulation}", f"--max_iters={iterations}", "--eval_interval=100000",
                  "--eval_iters=1", "--log_interval=1", "--always_save_checkpoint=False", "--dtype=bfloat16",

@@ -515,3 +515,15 @@ def as_strided_scatter(self, src, size, stride, storage_offset=None):
     positions = _strided_positions(size, stride, storage_offset)
     return jnp.ravel(self).at[positions].set(src.astype(self.dtype)).reshape(self.shape)
 
+
+
+# torch.export writes this check after a dtype conversion (`x.float()`): the graph's value must
+# have the sizes and dtype it was traced with. Shapes and dtypes are static in a JAX trace too,
+# so the check runs while tracing and leaves nothing in the program.
+@register_mapping(aten._assert_tensor_metadata.default, family="shapes")
+def assert_tensor_metadata(a, size=None, stride=None, dtype=None, *, device=None, layout=None):
+    if size is not None and tuple(size) != tuple(a.shape):
+        raise AssertionError(f"Tensor sizes mismatch: expected {tuple(size)}, found {tuple(a.shape)}")
+    if dtype is not None and jnp_dtype(dtype) != a.dtype:
+        raise AssertionError(f"Tensor dtype mismatch: expected {dtype}, found {a.dtype}")
+    return None

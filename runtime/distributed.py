@@ -188,11 +188,11 @@ def _meshes(group: tuple) -> Mesh:
 
 
 def _global(array: jax.Array, mesh: Mesh) -> jax.Array:
-    """This process's array as its block of a global array (blocks stacked on axis 0)."""
-    block = array.reshape((1,) + array.shape)
+    """This process's array as its block of a global array (blocks side by side on axis 0): no
+    copy and no op, the array is the block (a 0-dim array must be given as shape (1,))."""
     sharding = NamedSharding(mesh, PartitionSpec(AXIS))
-    size = mesh.devices.size
-    return jax.make_array_from_single_device_arrays((size,) + array.shape, sharding, [block])
+    shape = (array.shape[0] * mesh.devices.size,) + array.shape[1:]
+    return jax.make_array_from_single_device_arrays(shape, sharding, [array])
 
 
 def _local(array: jax.Array) -> jax.Array:
@@ -237,52 +237,65 @@ def _reduce_across(value: jax.Array, reduction: str, size: int, factor=None) -> 
     return _reduce_stacked(stacked, reduction, size, factor)
 
 
+# Collectives whose result is the same on every rank: their programs return it replicated, so each
+# process's shard is the whole result (no op to take it out).
+_REPLICATED = ("all_reduce", "all_gather", "broadcast")
+
+
 @functools.lru_cache(maxsize=None)
 def _program(kind: str, group: tuple, static: tuple) -> Callable:
-    """One jitted shard_map program for a collective; `static` holds its static arguments."""
+    """One jitted shard_map program for a collective; `static` holds its static arguments. Each
+    rank's value arrives as it is (its block of the global input)."""
     mesh = _mesh(group)
     size = len(group)
     options = dict(static)
-    spec = PartitionSpec(AXIS)
+    out_specs = PartitionSpec() if kind in _REPLICATED else PartitionSpec(AXIS)
 
-    def block(function):
-        # Each rank's value arrives with a leading axis of 1 (its block); results go back the same way.
+    def program(function):
         def body(*values):
-            results = function(*[value[0] for value in values])
-            return tuple(result[None] for result in results)
+            return tuple(function(*values))
 
-        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=spec, out_specs=spec, check_vma=False))
+        return jax.jit(jax.shard_map(body, mesh=mesh, in_specs=PartitionSpec(AXIS), out_specs=out_specs,
+                                     check_vma=False))
 
     if kind == "all_reduce":  # one reduction per value
-        return block(lambda *values: [_reduce_across(v, reduction, size, options.get("factor"))
-                                      for v, reduction in zip(values, options["reductions"])])
+        return program(lambda *values: [_reduce_across(v, reduction, size, options.get("factor"))
+                                        for v, reduction in zip(values, options["reductions"])])
     if kind == "all_gather":
-        return block(lambda value: [jax.lax.all_gather(value, AXIS)])
+        return program(lambda value: [jax.lax.all_gather(value, AXIS)])
     if kind == "broadcast":
         source = options["source"]
-        return block(lambda *values: [jax.lax.all_gather(v, AXIS)[source] for v in values])
-    if kind == "reduce_scatter":  # value: (size, *chunk) -> this rank's chunk, reduced
+        return program(lambda *values: [jax.lax.all_gather(v, AXIS)[source] for v in values])
+    if kind == "reduce_scatter":  # value: (size, *chunk) -> this rank's chunk (kept 1-dim at least), reduced
         reduction = options["reduction"]
 
         def reduce_scatter(value):
             if reduction == "SUM" and value.dtype != jnp.bool_:
-                return [jax.lax.psum_scatter(value, AXIS, scatter_dimension=0, tiled=False)]
-            reduced = _reduce_across(value, reduction, size, options.get("factor"))
-            return [jax.lax.dynamic_index_in_dim(reduced, jax.lax.axis_index(AXIS), 0, keepdims=False)]
+                chunk = jax.lax.psum_scatter(value, AXIS, scatter_dimension=0, tiled=False)
+            else:
+                reduced = _reduce_across(value, reduction, size, options.get("factor"))
+                chunk = jax.lax.dynamic_index_in_dim(reduced, jax.lax.axis_index(AXIS), 0, keepdims=False)
+            return [chunk if chunk.ndim else chunk[None]]
 
-        return block(reduce_scatter)
+        return program(reduce_scatter)
     if kind == "all_to_all":  # value: (size, *chunk): chunk i goes to rank i
-        return block(lambda value: [jax.lax.all_to_all(value, AXIS, 0, 0, tiled=False)])
+        return program(lambda value: [jax.lax.all_to_all(value, AXIS, 0, 0, tiled=False)])
     if kind == "send":  # group is (source, destination)
-        return block(lambda value: [jax.lax.ppermute(value, AXIS, perm=[(0, 1)])])
+        return program(lambda value: [jax.lax.ppermute(value, AXIS, perm=[(0, 1)])])
     raise ValueError(kind)
 
 
 def _run(kind: str, group: tuple, arrays: Sequence[jax.Array], **static) -> list[jax.Array]:
     program = _program(kind, group, tuple(sorted(static.items())))
     mesh = _mesh(group)
-    results = program(*[_global(array, mesh) for array in arrays])
-    return [_local(result)[0] for result in results]
+    scalars = [array.ndim == 0 for array in arrays]
+    blocks = [array.reshape(1) if scalar else array for array, scalar in zip(arrays, scalars)]
+    results = [_local(result) for result in program(*[_global(block, mesh) for block in blocks])]
+    if kind in ("all_reduce", "broadcast", "send"):  # shaped as the inputs: 0-dim ones back to 0-dim
+        return [result.reshape(()) if scalar else result for result, scalar in zip(results, scalars)]
+    if kind == "all_gather" and scalars[0]:
+        return [results[0].reshape(len(group))]
+    return results
 
 
 # ---------------------------------------------------------------- the collectives
@@ -294,7 +307,41 @@ def all_reduce(arrays: Sequence[jax.Array], group: tuple, reduction, factor=None
     reductions = tuple(reduction) if isinstance(reduction, (tuple, list)) else (reduction,) * len(arrays)
     if len(group) == 1:
         return [_reduce_stacked(a[None], r, 1, factor) if r == "PREMUL_SUM" else a for a, r in zip(arrays, reductions)]
-    return _run("all_reduce", group, arrays, reductions=reductions, factor=factor)
+    if len(arrays) <= _PACK_ABOVE:
+        return _run("all_reduce", group, arrays, reductions=reductions, factor=factor)
+    # Many arrays (a model's gradients): packed into one flat buffer per dtype and reduction, as
+    # DDP's buckets are, so that one collective moves them (and the host makes a few arrays, not
+    # hundreds); unpacked after.
+    kinds: dict = {}
+    for index, (array, name) in enumerate(zip(arrays, reductions)):
+        kinds.setdefault((array.dtype, name), []).append(index)
+    members = list(kinds.values())
+    flats = [_pack(*[arrays[i] for i in indices]) for indices in members]
+    reduced = _run("all_reduce", group, flats, reductions=tuple(name for _, name in kinds), factor=factor)
+    results: list = [None] * len(arrays)
+    for indices, flat in zip(members, reduced):
+        shapes = tuple(arrays[i].shape for i in indices)
+        for index, value in zip(indices, _unpack(flat, shapes)):
+            results[index] = value
+    return results
+
+
+_PACK_ABOVE = 4
+
+
+@jax.jit
+def _pack(*arrays):
+    return jnp.concatenate([array.reshape(-1) for array in arrays])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unpack(flat, shapes):
+    values, start = [], 0
+    for shape in shapes:
+        size = int(np.prod(shape, dtype=np.int64))
+        values.append(flat[start:start + size].reshape(shape))
+        start += size
+    return values
 
 
 def broadcast(arrays: Sequence[jax.Array], group: tuple, source_index: int) -> list[jax.Array]:
@@ -315,7 +362,8 @@ def reduce_scatter(stacked: jax.Array, group: tuple, reduction: str, factor=None
     """`stacked` holds one chunk per rank on axis 0; returns this rank's chunk reduced over the group."""
     if len(group) == 1:
         return _reduce_stacked(stacked, reduction, 1, factor) if reduction in ("AVG", "PREMUL_SUM") else stacked[0]
-    return _run("reduce_scatter", group, [stacked], reduction=reduction, factor=factor)[0]
+    chunk = _run("reduce_scatter", group, [stacked], reduction=reduction, factor=factor)[0]
+    return chunk.reshape(()) if stacked.ndim == 1 else chunk
 
 
 def all_to_all(stacked: jax.Array, group: tuple) -> jax.Array:

@@ -120,7 +120,10 @@ def new_process_group_helper(wrapped, instance, args, kwargs):
         import bridge.op_mappings.sharding  # noqa: F401  (FSDP2's own ops: see there)
     if not arguments["global_ranks_in_group"]:  # the default group: every process of the run
         _join(arguments["group_rank"], arguments["group_size"], arguments["store"], arguments.get("timeout"))
+    del _made[:]
     group, store = wrapped(*bound.args, **bound.kwargs)
+    if _made:
+        _backends[group] = _made[-1]
     _requested[group] = requested if requested != BACKEND else _requested.get(dist.GroupMember.WORLD, "nccl")
     return group, store
 
@@ -261,7 +264,17 @@ def _write(tensor: torch.Tensor, value: jax.Array) -> None:
             tensor.copy_(numpy_to_torch(np.array(value)))
 
 
-class BridgeBackend(c10d.Backend):
+def _backend_base():
+    """c10d.Backend takes Python subclasses from torch 2.12 on; before, a Python process group
+    subclasses ProcessGroup, which register_backend also accepts (with the same collectives)."""
+    try:
+        type("Probe", (c10d.Backend,), {})(0, 1)
+        return c10d.Backend
+    except TypeError:
+        return dist.ProcessGroup
+
+
+class BridgeBackend(_backend_base()):
     """torch.distributed's backend for a process group, collectives on JAX. Bridge tensors reach
     it as they are (their data stays on the device); host tensors (object collectives, a
     gloo-style CPU tensor) are moved to this process's device for the collective and back."""
@@ -280,25 +293,25 @@ class BridgeBackend(c10d.Backend):
         if len(self.group) > 1:
             collectives.meet(self.group, name, self.timeout, user_call_site())
 
-    def allreduce(self, tensors, options):
+    def allreduce(self, tensors, opts):
         self._meet("all_reduce")
-        reduction, factor = _reduction(options.reduceOp)
+        reduction, factor = _reduction(opts.reduceOp)
         for tensor, value in zip(tensors, collectives.all_reduce([_array(t) for t in tensors], self.group,
                                                                  reduction, factor)):
             _write(tensor, value)
         return _Done(tensors)
 
-    def allreduce_coalesced(self, tensors, options):
-        return self.allreduce(tensors, options)
+    def allreduce_coalesced(self, tensors, opts):
+        return self.allreduce(tensors, opts)
 
-    def broadcast(self, tensors, options):
+    def broadcast(self, tensors, opts):
         self._meet("broadcast")
         for tensor, value in zip(tensors, collectives.broadcast([_array(t) for t in tensors], self.group,
-                                                                options.rootRank)):
+                                                                opts.rootRank)):
             _write(tensor, value)
         return _Done(tensors)
 
-    def allgather(self, output_lists, inputs, options):
+    def allgather(self, output_lists, inputs, opts):
         self._meet("all_gather")
         for outputs, tensor in zip(output_lists, inputs):
             gathered = collectives.all_gather(_array(tensor), self.group)
@@ -306,51 +319,51 @@ class BridgeBackend(c10d.Backend):
                 _write(output, gathered[index])
         return _Done(output_lists)
 
-    def all_gather_single(self, output, tensor, options):
+    def all_gather_single(self, output, tensor, opts):
         self._meet("all_gather_into_tensor")
         gathered = collectives.all_gather(_array(tensor), self.group)
         _write(output, gathered.reshape(output.shape))
         return _Done([output])
 
-    def _allgather_base(self, output, tensor, options):
-        return self.all_gather_single(output, tensor, options)
+    def _allgather_base(self, output, tensor, opts):
+        return self.all_gather_single(output, tensor, opts)
 
-    def all_gather_single_coalesced(self, outputs, tensors, options):
+    def all_gather_single_coalesced(self, outputs, tensors, opts):
         for output, tensor in zip(outputs, tensors):
-            self.all_gather_single(output, tensor, options)
+            self.all_gather_single(output, tensor, opts)
         return _Done(outputs)
 
-    def allgather_into_tensor_coalesced(self, outputs, tensors, options):
-        return self.all_gather_single_coalesced(outputs, tensors, options)
+    def allgather_into_tensor_coalesced(self, outputs, tensors, opts):
+        return self.all_gather_single_coalesced(outputs, tensors, opts)
 
-    def reduce_scatter(self, outputs, input_lists, options):
+    def reduce_scatter(self, outputs, input_lists, opts):
         self._meet("reduce_scatter")
-        reduction, factor = _reduction(options.reduceOp)
+        reduction, factor = _reduction(opts.reduceOp)
         for output, inputs in zip(outputs, input_lists):
             stacked = jnp.stack([_array(tensor) for tensor in inputs])
             _write(output, collectives.reduce_scatter(stacked, self.group, reduction, factor))
         return _Done(outputs)
 
-    def reduce_scatter_single(self, output, tensor, options):
+    def reduce_scatter_single(self, output, tensor, opts):
         self._meet("reduce_scatter_tensor")
-        reduction, factor = _reduction(options.reduceOp)
+        reduction, factor = _reduction(opts.reduceOp)
         value = _array(tensor)
         stacked = value.reshape((len(self.group),) + tuple(output.shape))
         _write(output, collectives.reduce_scatter(stacked, self.group, reduction, factor))
         return _Done([output])
 
-    def _reduce_scatter_base(self, output, tensor, options):
-        return self.reduce_scatter_single(output, tensor, options)
+    def _reduce_scatter_base(self, output, tensor, opts):
+        return self.reduce_scatter_single(output, tensor, opts)
 
-    def reduce_scatter_single_coalesced(self, outputs, tensors, options):
+    def reduce_scatter_single_coalesced(self, outputs, tensors, opts):
         for output, tensor in zip(outputs, tensors):
-            self.reduce_scatter_single(output, tensor, options)
+            self.reduce_scatter_single(output, tensor, opts)
         return _Done(outputs)
 
-    def reduce_scatter_tensor_coalesced(self, outputs, tensors, options):
-        return self.reduce_scatter_single_coalesced(outputs, tensors, options)
+    def reduce_scatter_tensor_coalesced(self, outputs, tensors, opts):
+        return self.reduce_scatter_single_coalesced(outputs, tensors, opts)
 
-    def all_to_all_single(self, output, tensor, output_splits, input_splits, options):
+    def all_to_all_single(self, output, tensor, output_splits, input_splits, opts):
         size = len(self.group)
         if (output_splits and len(set(output_splits)) > 1) or (input_splits and len(set(input_splits)) > 1):
             raise DistributedError(
@@ -363,10 +376,10 @@ class BridgeBackend(c10d.Backend):
         _write(output, collectives.all_to_all(stacked, self.group).reshape(output.shape))
         return _Done([output])
 
-    def alltoall_base(self, output, tensor, output_splits, input_splits, options):
-        return self.all_to_all_single(output, tensor, output_splits, input_splits, options)
+    def alltoall_base(self, output, tensor, output_splits, input_splits, opts):
+        return self.all_to_all_single(output, tensor, output_splits, input_splits, opts)
 
-    def alltoall(self, outputs, inputs, options):
+    def alltoall(self, outputs, inputs, opts):
         if len({tuple(t.shape) for t in inputs}) > 1:
             raise DistributedError(
                 f"all_to_all with tensors of different shapes at {user_call_site()}: the bridge's all_to_all "
@@ -378,35 +391,35 @@ class BridgeBackend(c10d.Backend):
             _write(output, received[index])
         return _Done(outputs)
 
-    def barrier(self, options=None):
+    def barrier(self, opts=None):
         self._meet("barrier")
         return _Done()
 
-    def reduce(self, tensors, options):
+    def reduce(self, tensors, opts):
         self._meet("reduce")
-        reduction, factor = _reduction(options.reduceOp)
+        reduction, factor = _reduction(opts.reduceOp)
         results = collectives.all_reduce([_array(t) for t in tensors], self.group, reduction, factor)
-        if self.rank() == options.rootRank:
+        if self.rank() == opts.rootRank:
             for tensor, value in zip(tensors, results):
                 _write(tensor, value)
         return _Done(tensors)
 
-    def gather(self, output_lists, inputs, options):
+    def gather(self, output_lists, inputs, opts):
         self._meet("gather")
         gathered = collectives.all_gather(_array(inputs[0]), self.group)
-        if self.rank() == options.rootRank:
+        if self.rank() == opts.rootRank:
             for index, output in enumerate(output_lists[0]):
                 _write(output, gathered[index])
         return _Done(output_lists)
 
-    def scatter(self, outputs, input_lists, options):
+    def scatter(self, outputs, input_lists, opts):
         self._meet("scatter")
         output = outputs[0]
-        if self.rank() == options.rootRank:
+        if self.rank() == opts.rootRank:
             stacked = jnp.stack([_array(tensor) for tensor in input_lists[0]])
         else:  # what the root sends: a placeholder of its shape here
             stacked = jnp.zeros((len(self.group),) + tuple(output.shape), TORCH_TO_JAX[output.dtype])
-        sent = collectives.broadcast([stacked], self.group, options.rootRank)[0]
+        sent = collectives.broadcast([stacked], self.group, opts.rootRank)[0]
         _write(output, sent[self.rank()])
         return _Done(outputs)
 
@@ -431,8 +444,19 @@ class BridgeBackend(c10d.Backend):
         )
 
 
+# The bridge's backend of each process group (torch's way to reach it differs between releases:
+# the group itself where BridgeBackend is a ProcessGroup, `_get_backend` where it is a Backend).
+_backends: dict = {}
+_made: list = []
+
+
 def _make_backend(options, backend_options):
-    return BridgeBackend(options, backend_options)
+    _made.append(BridgeBackend(options, backend_options))
+    return _made[-1]
+
+
+def backend_of(group) -> "BridgeBackend | None":
+    return _backends.get(group)
 
 
 dist.Backend.register_backend(BACKEND, _make_backend, extended_api=True, devices=["cpu", "cuda"])
@@ -483,8 +507,8 @@ class DistributedDataParallel(_TorchDistributedDataParallel):
         ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
         self._parameters_synced = [p for name, p in module.named_parameters() if name not in ignored and p.requires_grad]
         self._buffers_synced = [b for name, b in module.named_buffers() if name not in ignored]
-        self._backend = self.process_group._get_backend(torch.device("cpu"))
-        self._group = self._backend.group if isinstance(self._backend, BridgeBackend) else None
+        self._backend = backend_of(self.process_group)
+        self._group = self._backend.group if self._backend is not None else None
         if self._group is None:
             raise DistributedError(
                 f"DistributedDataParallel at {user_call_site()}: its process group is not the bridge's "
