@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.cuda.nccl
 import torch.multiprocessing
 import torch.nn.parallel
 import torch.nn.parallel.distributed
@@ -156,6 +157,17 @@ def get_backend(wrapped, instance, args, kwargs):
         return name
     group = (args[0] if args else kwargs.get("group")) or dist.GroupMember.WORLD
     return _requested.get(group, _requested.get(dist.GroupMember.WORLD, "nccl"))
+
+
+@wrap(torch.cuda.nccl, "version")
+def nccl_version(wrapped, instance, args, kwargs):
+    # torch's own logging of a failed collective asks for NCCL's version when the script's backend
+    # is "nccl"; a CPU build of torch has no NCCL (the bridge's collectives use XLA's), and the
+    # AttributeError would replace the collective's own error.
+    try:
+        return wrapped(*args, **kwargs)
+    except AttributeError:
+        return (0, 0, 0)
 
 
 @wrap(dist.distributed_c10d, "get_backend")
