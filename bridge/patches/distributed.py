@@ -377,27 +377,43 @@ class BridgeBackend(_backend_base()):
 
     def all_to_all_single(self, output, tensor, output_splits, input_splits, opts):
         size = len(self.group)
-        if (output_splits and len(set(output_splits)) > 1) or (input_splits and len(set(input_splits)) > 1):
-            raise DistributedError(
-                f"all_to_all_single with uneven split sizes ({list(input_splits)} -> {list(output_splits)}) at "
-                f"{user_call_site()}: the bridge's all_to_all sends equal chunks; pad the chunks to one size"
-            )
         self._meet("all_to_all_single")
         value = _array(tensor)
+        if (output_splits and len(set(output_splits)) > 1) or (input_splits and len(set(input_splits)) > 1):
+            _write(output, self._uneven_all_to_all(value, list(input_splits), list(output_splits)))
+            return _Done([output])
         stacked = value.reshape((size, value.shape[0] // size) + tuple(value.shape[1:]))
         _write(output, collectives.all_to_all(stacked, self.group).reshape(output.shape))
         return _Done([output])
+
+    def _uneven_all_to_all(self, value, input_splits, output_splits):
+        """Chunks of different lengths (a mixture of experts' tokens): each padded to the longest
+        chunk any rank sends, exchanged in one all_to_all, and cut back to what each rank sent."""
+        longest = max(input_splits + output_splits + [0])
+        longest = int(collectives.all_reduce([jnp.asarray(longest, jnp.int64)], self.group, "MAX")[0])
+        chunks, start = [], 0
+        for length in input_splits:
+            chunk = value[start:start + length]
+            widths = [(0, longest - length)] + [(0, 0)] * (value.ndim - 1)
+            chunks.append(jnp.pad(chunk, widths))
+            start += length
+        received = collectives.all_to_all(jnp.stack(chunks), self.group)
+        return jnp.concatenate([received[source, :length] for source, length in enumerate(output_splits)])
 
     def alltoall_base(self, output, tensor, output_splits, input_splits, opts):
         return self.all_to_all_single(output, tensor, output_splits, input_splits, opts)
 
     def alltoall(self, outputs, inputs, opts):
-        if len({tuple(t.shape) for t in inputs}) > 1:
-            raise DistributedError(
-                f"all_to_all with tensors of different shapes at {user_call_site()}: the bridge's all_to_all "
-                "sends equal chunks; pad them to one shape"
-            )
         self._meet("all_to_all")
+        if len({tuple(t.shape) for t in inputs} | {tuple(t.shape) for t in outputs}) > 1:
+            # Tensors of different lengths: as all_to_all_single's uneven splits, then cut.
+            received = self._uneven_all_to_all(jnp.concatenate([_array(t) for t in inputs]),
+                                               [t.shape[0] for t in inputs], [t.shape[0] for t in outputs])
+            start = 0
+            for output in outputs:
+                _write(output, received[start:start + output.shape[0]])
+                start += output.shape[0]
+            return _Done(outputs)
         received = collectives.all_to_all(jnp.stack([_array(tensor) for tensor in inputs]), self.group)
         for index, output in enumerate(outputs):
             _write(output, received[index])

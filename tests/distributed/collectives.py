@@ -77,6 +77,13 @@ show("all_to_all_single", output)
 outputs = [made([0.0, 0.0]) for _ in range(world)]
 dist.all_to_all(outputs, [made([rank, i]) for i in range(world)])
 show("all_to_all", outputs)
+# Uneven splits (a mixture of experts' token exchange): rank r sends i + r + 1 rows to rank i.
+sent = [i + rank + 1 for i in range(world)]
+received = [rank + i + 1 for i in range(world)]
+rows = torch.arange(sum(sent), dtype=torch.float32).reshape(-1, 1) * 100 + rank
+output = made([[0.0]] * sum(received))
+dist.all_to_all_single(output, rows.to(device), output_split_sizes=received, input_split_sizes=sent)
+show("all_to_all_single uneven", output)
 tensor = made([rank + 2.0])
 dist.reduce(tensor, dst=0, op=dist.ReduceOp.PRODUCT)
 if rank == 0:  # elsewhere torch leaves the tensor unspecified (gloo: partial results)
