@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
-import threading
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -48,7 +47,9 @@ class World:
 
 
 _world: list[Optional[World]] = [None]
-_sequence = threading.local()
+# Collectives met so far, per group: every rank counts the same, whichever thread calls (the
+# autograd engine's, for DDP's reduction), so the n-th barrier of a group has one name everywhere.
+_sequence: dict = {}
 
 
 def world() -> Optional[World]:
@@ -145,10 +146,7 @@ def _client():
 def meet(group: tuple, name: str, timeout_seconds: float, site: str = "") -> None:
     """Wait for every rank of `group` at a barrier of JAX's coordination service; a rank that does
     not come within the timeout raises DistributedTimeoutError instead of a hang in XLA."""
-    counters = getattr(_sequence, "counters", None)
-    if counters is None:
-        counters = _sequence.counters = {}
-    count = counters[group] = counters.get(group, 0) + 1
+    count = _sequence[group] = _sequence.get(group, 0) + 1
     barrier = f"bridge/{'-'.join(map(str, group))}/{count}"
     try:
         _client().wait_at_barrier(barrier, max(1, int(timeout_seconds * 1000)), process_ids=list(group))
