@@ -9,9 +9,7 @@ eager torch's. Modules `torch.export` refuses are counted apart (the translator 
 Writes <out>/exported.md.
 """
 
-import argparse
 import copy
-import os
 import sys
 import time
 
@@ -130,19 +128,7 @@ def report(results, command):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="module names, comma-separated")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "reports"))
-    options = parser.parse_args(argv)
-    harness.load_databases()
-    results = sweep([name for name in options.only.split(",") if name] or None)
-    command = "python -m bridge.compat.exported" + (f" --only {options.only}" if options.only else "")
-    text = report(results, command)
-    os.makedirs(options.out, exist_ok=True)
-    with open(os.path.join(options.out, "exported.md"), "w") as handle:
-        handle.write(text)
-    print(text)
-    return 0
+    return harness.report_command(argv, __doc__.splitlines()[0], "exported", "exported.md", sweep, report)
 
 
 if __name__ == "__main__":

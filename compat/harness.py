@@ -863,3 +863,23 @@ def problems(records):
         elif record["status"] not in ACCEPTED:
             found.append(f"{where}: {record['status']}: {record['detail']}")
     return found
+
+
+def report_command(argv, description, module, report_name, sweep, report):
+    """The command line of a ModuleInfo sweep (compat/exported.py, compat/torchscript.py):
+    `--only` names modules, `--out` the folder; writes and prints the report."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--only", default="", help="module names, comma-separated")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "reports"))
+    options = parser.parse_args(argv)
+    load_databases()
+    results = sweep([name for name in options.only.split(",") if name] or None)
+    command = f"python -m bridge.compat.{module}" + (f" --only {options.only}" if options.only else "")
+    text = report(results, command)
+    os.makedirs(options.out, exist_ok=True)
+    with open(os.path.join(options.out, report_name), "w") as handle:
+        handle.write(text)
+    print(text)
+    return 0

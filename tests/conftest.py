@@ -83,6 +83,18 @@ def captured(bridged):
         bridged.set_mode(previous)
 
 
+@pytest.fixture
+def distribution_validation_kept():
+    """torch.export can start Dynamo, whose first start turns torch.distributions' argument
+    validation off for the whole process (torch 2.13's TorchPatcher); later tests in the same
+    process rely on it. The graph routes' test files use it for each test."""
+    import torch
+
+    validating = torch.distributions.Distribution._validate_args
+    yield
+    torch.distributions.Distribution.set_default_validate_args(validating)
+
+
 def run_python(*args, cwd=None, env=None, timeout=300):
     """Run `python ARGS` in a fresh process; returns the CompletedProcess (text, both streams)."""
     full_env = dict(os.environ)

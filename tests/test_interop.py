@@ -15,13 +15,9 @@ import bridge
 RTOL, ATOL = 1e-5, 1e-6
 
 
-@pytest.fixture(autouse=True)
-def _distribution_validation_kept():
-    """torch.export can start Dynamo, whose first start turns torch.distributions' argument
-    validation off for the whole process (as tests/test_export.py's fixture explains)."""
-    validating = torch.distributions.Distribution._validate_args
-    yield
-    torch.distributions.Distribution.set_default_validate_args(validating)
+# torch.export can start Dynamo, which turns torch.distributions' argument validation off for the
+# whole process (conftest.distribution_validation_kept restores it after each test).
+pytestmark = pytest.mark.usefixtures("distribution_validation_kept")
 
 
 class ConvNet(torch.nn.Module):
