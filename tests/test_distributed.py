@@ -82,11 +82,6 @@ def test_ddp_matches_torchs_ddp_and_one_process(mode, tmp_path):
         torch.testing.assert_close(saved[key], expected[key], rtol=1e-5, atol=1e-6)
 
 
-# torch before 2.14 takes Python backends only as whole ProcessGroups, and DeviceMesh then finds
-# no name on the bridge's group ("ProcessGroup name not set"): FSDP2 needs torch 2.14 or newer.
-@pytest.mark.skipif(tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 14),
-                    reason="FSDP2 under the bridge needs torch 2.14+: DeviceMesh cannot name the bridge's "
-                           "ProcessGroup-based backend of older torch (listed in docs/distributed.md)")
 def test_fsdp2_matches_one_process_and_gathers_a_torch_checkpoint(tmp_path):
     """fully_shard per block and at the root over a device mesh, AdamW; the full state dict that
     torch.distributed.checkpoint gathers for rank 0 loads in plain torch."""

@@ -301,6 +301,24 @@ class BridgeBackend(_backend_base()):
     def getBackendName(self):
         return BACKEND
 
+    if _backend_base() is dist.ProcessGroup:
+        # As a whole ProcessGroup (torch before 2.14) the group has no C++ backend to hold its name,
+        # and torch's getter reads the name from there ("ProcessGroup name not set"): DeviceMesh and
+        # the functional collectives name groups, so the name lives here.
+        def _set_group_name(self, name):
+            self._bridge_group_name = name
+
+        @property
+        def group_name(self):
+            return self._bridge_group_name
+
+        def _set_group_desc(self, description):
+            self._bridge_group_desc = description
+
+        @property
+        def group_desc(self):
+            return self._bridge_group_desc
+
     def _meet(self, name):
         if len(self.group) > 1:
             collectives.meet(self.group, name, self.timeout, user_call_site())
