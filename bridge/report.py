@@ -46,6 +46,12 @@ def summary_text(data=None):
             f"bridge: in-place updates ran together: {deferred['ops']} op(s) in {deferred['batches']} "
             f"batch(es), {deferred['programs']} program(s) compiled for them"
         )
+    averages = data.get("ddp_gradient_averages")
+    if averages and (averages["in_step"] or averages["alone"]):
+        lines.append(
+            f"bridge: DistributedDataParallel's gradient averages: {averages['in_step']} inside the optimizer's "
+            f"step program, {averages['alone']} in a program of their own (the gradients were read before the step)"
+        )
     if data.get("uncompiled"):
         lines.append(
             "bridge: ops run uncompiled, a JAX dispatch per step of their mapping: "

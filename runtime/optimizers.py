@@ -17,6 +17,10 @@ coefficient and the scaled gradients itself, as torch's clip does. That saves a 
 over every gradient per step. Anything else that reads a waiting gradient, or the returned
 norm, runs the clip first, so every value a script can see is the clipped one.
 
+DistributedDataParallel's average of the gradients over the processes waits for the step the same
+way (`PendingReduction`): the step's program runs the collective first, so the gradients cross
+the processes inside the step instead of in a program of their own after the backward.
+
 The optimizer state (Adam's moments, SGD's momentum buffers) lives in one flat array per
 kind, and each parameter's state tensor is a view into it (`flat_state`): the update program
 then takes and returns two arrays instead of two per parameter. Each array crossing a program
@@ -33,9 +37,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import distributed, stats
 from .config import settings
 from .registry import MAPPINGS, aten
-from .tensor import BridgeTensor, read_value, root_of, write_value
+from .tensor import BridgeTensor, read_value, read_values, root_of, settle, write_value
 from .views import ViewStep
 
 
@@ -164,6 +169,7 @@ class PendingClip:
     read after that are scaled by the known coefficient, all at once."""
 
     def __init__(self, grads, max_norm, norm_type, run_clip):
+        self.reduction = PendingReduction.of(grads)  # DDP's average, which comes first
         self.grads = list(grads)  # until the coefficient is known: the norm needs them all
         self.max_norm, self.norm_type = max_norm, norm_type
         self.run_clip = run_clip  # clips the gradients now and returns the total norm tensor
@@ -184,6 +190,8 @@ class PendingClip:
             self.grads = None
 
     def resolve(self, tensor):
+        if self.reduction is not None and not self.reduction.done:
+            self.reduction.resolve()
         if self.coefficient is None:
             grads, self.grads = self.grads, None
             self._release(grads)
@@ -209,6 +217,9 @@ class PendingClip:
     def update_inputs(self, grads):
         """The arguments an update program takes for this clip: (unclipped gradient values, all
         the clip's gradient values or None, coefficient or None)."""
+        reduction = self.reduction
+        if reduction is not None and not reduction.done and not take_reduction(reduction):
+            reduction.resolve()
         values = [root_of(grad)._value for grad in grads]
         if self.coefficient is not None:
             return values, None, self.coefficient
@@ -223,6 +234,57 @@ class PendingClip:
         if self.norm._pending is self:
             self.norm._value = total
             self.norm._pending = None
+
+
+class PendingReduction:
+    """DistributedDataParallel's average of the gradients, from the end of the backward until the
+    optimizer's step takes it into its program (`_Batch.run`). Its gradients' roots hold it as
+    their `_pending` work (or a PendingClip over them holds it): anything else that reads or
+    writes one runs it alone first. Every rank must run it in the same program, so before either
+    the ranks vote (`reducer.agree`): a rank that ran it alone makes every rank do so.
+
+    `reducer` is the module's: `group`, `agree(in_step)`, and `alone(values)`, the averaged
+    values by a collective program of their own (after `agree`)."""
+
+    def __init__(self, roots, reducer):
+        self.roots = list(roots)
+        self.reducer = reducer
+        self.done = False
+        for root in self.roots:
+            settle(root)  # an accumulation still waiting (runtime.deferred) runs first
+            root._pending = self
+        _waiting.add(self)
+
+    @staticmethod
+    def of(grads):
+        """The reduction all of `grads` wait for, directly or under a waiting clip, else None."""
+        roots = [root_of(grad) for grad in grads]
+        first = roots[0]._pending if roots else None
+        reduction = first.reduction if isinstance(first, PendingClip) else first
+        if not isinstance(reduction, PendingReduction) or reduction.done:
+            return None
+        if any(grad._chain or root._pending is not first for root, grad in zip(roots, grads)):
+            return None
+        return reduction
+
+    def resolve(self, tensor=None):
+        if not self.done:
+            self.reducer.agree(False)
+            self.run_alone()
+
+    def run_alone(self):
+        """The average by its own program (the ranks have agreed on it)."""
+        values = [root._value for root in self.roots]
+        self.finish(self.reducer.alone(values))
+
+    def finish(self, values, in_step=False):
+        stats.ddp_averages["in_step" if in_step else "alone"] += 1
+        self.done = True
+        for root, value in zip(self.roots, values):
+            if root._pending is self:
+                root._pending = None
+            root._value = value
+            root._generation += 1  # views and aliases read through the root again
 
 
 def _lerp(start, end, weight):
@@ -367,6 +429,7 @@ class _Batch:
 
     def __init__(self):
         self.calls = []  # (kind, in place, arguments, static arguments, finish)
+        self.reductions = []  # PendingReductions whose gradients the calls take unreduced
 
     def run(self):
         if not self.calls:
@@ -377,13 +440,92 @@ class _Batch:
             plan.append((kind, positions, len(args), tuple(sorted(statics.items()))))
             donated.append([arg for i, arg in enumerate(args) if i in positions])
             kept.append([arg for i, arg in enumerate(args) if i not in positions])
-        results = _together(donated, kept, tuple(plan))
+        plan = tuple(plan)
+        reductions = [reduction for reduction in self.reductions if not reduction.done]
+        if reductions:
+            results = _reducing(reductions, donated, kept, plan)
+        else:
+            results = _together(donated, kept, plan)
         for (*_, finish), result in zip(self.calls, results):
             finish(result)
 
 
+def _reducing(reductions, donated, kept, plan):
+    """The batch's program with DDP's average of the gradients first, where every rank takes it
+    into its step; else the average alone, then the batch's program."""
+    reduction, *others = reductions
+    roots = [root for pending in reductions for root in pending.roots]
+    before = [root._value for root in roots]
+    for other in others:  # two DDP modules stepped by one optimizer: the first reduces in the step
+        other.resolve()
+    if not reduction.reducer.agree(True):
+        reduction.run_alone()
+    if others or reduction.done:
+        now = {id(old): root._value for old, root in zip(before, roots) if root._value is not old}
+        donated, kept = jax.tree_util.tree_map(lambda leaf: now.get(id(leaf), leaf), (donated, kept))
+        if reduction.done:
+            return _together(donated, kept, plan)
+    values = [root._value for root in reduction.roots]
+    places = {id(value): index for index, value in enumerate(values)}
+    donated, donated_tree = jax.tree_util.tree_flatten(donated)
+    kept, kept_tree = jax.tree_util.tree_flatten(kept)
+    where = tuple(places.get(id(leaf), -1) for leaf in donated), tuple(places.get(id(leaf), -1) for leaf in kept)
+    program = _reducing_program(plan, donated_tree, kept_tree, where, reduction.reducer.group)
+    donated = [leaf for leaf, place in zip(donated, where[0]) if place < 0]
+    kept = [leaf for leaf, place in zip(kept, where[1]) if place < 0]
+    results, averaged = program(values, donated, kept)
+    reduction.finish(averaged, in_step=True)
+    return results
+
+
+@functools.lru_cache(maxsize=16)
+def _reducing_program(plan, donated_tree, kept_tree, where, group):
+    def put(tree, places, leaves, averaged):
+        leaves = iter(leaves)
+        return jax.tree_util.tree_unflatten(tree, [next(leaves) if place < 0 else averaged[place] for place in places])
+
+    def body(values, donated, kept):
+        averaged = distributed.average(values, group)
+        donated = put(donated_tree, where[0], donated, averaged)
+        kept = put(kept_tree, where[1], kept, averaged)
+        return _updates(donated, kept, plan), averaged
+
+    return distributed.group_program(body, group, donate_argnums=(1,))
+
+
+def take_reduction(reduction):
+    """Whether the step being batched now takes this reduction into its program (it then takes
+    the gradients' values unreduced)."""
+    if _batch is None:
+        return False
+    if reduction not in _batch.reductions:
+        _batch.reductions.append(reduction)
+    return True
+
+
+def gradient_values(grads):
+    """The values of an update's gradients: unreduced where the batch takes DDP's average of
+    them into its program, else as read (which runs any work they wait for)."""
+    reduction = PendingReduction.of(grads) if grads else None
+    if reduction is not None and not isinstance(root_of(grads[0])._pending, PendingClip) and take_reduction(reduction):
+        return [root_of(grad)._value for grad in grads]
+    return read_values(grads)
+
+
+def reductions_waiting():
+    """Whether a DDP average waits for a step (the step then batches its updates to take it)."""
+    return any(not reduction.done for reduction in _waiting)
+
+
+_waiting = weakref.WeakSet()
+
+
 @functools.partial(jax.jit, static_argnames=("plan",), donate_argnums=(0,))
 def _together(donated, kept, plan):
+    return _updates(donated, kept, plan)
+
+
+def _updates(donated, kept, plan):
     results = []
     for (kind, positions, count, statics), given, others in zip(plan, donated, kept):
         given, others = iter(given), iter(others)
@@ -416,6 +558,12 @@ def submit(kind, in_place, args, statics, finish, now=False):
     if _batch is not None and not now:
         _batch.calls.append((kind, in_place, args, statics, finish))
         return
+    if _batch is not None and _batch.reductions:
+        # Run now, before the batch: the gradients it took unreduced are averaged first.
+        unreduced = {id(root._value): root for reduction in _batch.reductions for root in reduction.roots}
+        for reduction in _batch.reductions:
+            reduction.resolve()
+        args = jax.tree_util.tree_map(lambda leaf: unreduced[id(leaf)]._value if id(leaf) in unreduced else leaf, args)
     plain, with_params = _JITTED[kind]
     finish((with_params if in_place else plain)(*args, **statics))
 

@@ -54,6 +54,8 @@ uncompiled_reasons = {}
 dtype_corrections = {}  # OpOverload -> message
 # In-place updates run as batches (runtime/deferred.py): ops recorded, batches run, programs compiled
 deferred_ops = deferred_batches = deferred_programs = 0
+# DistributedDataParallel's gradient averages: run inside the optimizer's step, or alone
+ddp_averages = collections.Counter()
 started = [time.perf_counter()]
 
 
@@ -65,6 +67,7 @@ def reset():
     host_runs.clear()
     global deferred_ops, deferred_batches, deferred_programs
     deferred_ops = deferred_batches = deferred_programs = 0
+    ddp_averages.clear()
     uncompiled_calls.clear()
     dtype_corrections.clear()
     started[0] = time.perf_counter()
@@ -95,6 +98,7 @@ def summary():
         ],
         "host_runs": {str(op): count for op, count in host_runs.most_common()},
         "deferred_updates": {"ops": deferred_ops, "batches": deferred_batches, "programs": deferred_programs},
+        "ddp_gradient_averages": {"in_step": ddp_averages["in_step"], "alone": ddp_averages["alone"]},
         "uncompiled": [
             {"op": str(op), "calls": count, "why": uncompiled_reasons.get(op, "")} for op, count in uncompiled_calls.most_common()
         ],

@@ -4,6 +4,7 @@ against one process with the same global batch (both modes), torch.multiprocessi
 pytorch/examples' ddp-tutorial-series uses it, a missing rank raising instead of hanging, and the
 errors of what cannot run. The scripts are in tests/distributed/."""
 
+import json
 import os
 import re
 import subprocess
@@ -20,10 +21,11 @@ SCRIPTS = os.path.join(REPO, "tests", "distributed")
 _NOISE = re.compile(r"^(W\d{4}|I\d{4}|E\d{4}|\[Gloo\]|\*+$|Setting OMP_NUM_THREADS)")
 
 
-def _launch(processes, script, *args, bridge=True, mode="captured", env=None, timeout=300):
+def _launch(processes, script, *args, bridge=True, mode="captured", env=None, timeout=300, report=None):
     """`bridge run --nproc-per-node N SCRIPT`, or plain torch's torchrun when bridge=False."""
     if bridge:
         command = ["-m", "bridge", "run", "--quiet", "--mode", mode, "--nproc-per-node", str(processes)]
+        command += ["--report", report] if report else []
     else:
         command = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
     return run_python(*command, os.path.join(SCRIPTS, script), *args, env=env, timeout=timeout)
@@ -63,17 +65,22 @@ def _assert_same_training(got, expected):
 @pytest.mark.parametrize("mode", ["captured", "eager"])
 def test_ddp_matches_torchs_ddp_and_one_process(mode, tmp_path):
     """Two processes, rank 1 starting from other weights (DDP's broadcast must replace them),
-    AdamW, gradient accumulation under no_sync(): the losses, the weights and the checkpoint
+    AdamW, gradient accumulation under no_sync(), clip_grad_norm_: the losses, the weights and the checkpoint
     rank 0 saves are torch's DDP's over gloo and those of one process with the global batch."""
-    options = ["--optimizer", "adamw", "--accumulate", "2", "--steps", "3"]
+    options = ["--optimizer", "adamw", "--accumulate", "2", "--steps", "3", "--clip", "0.05"]
     checkpoint = str(tmp_path / "bridge.pt")
-    bridge = _succeeded(_launch(2, "train_ddp.py", *options, "--checkpoint", checkpoint, mode=mode))
+    report = str(tmp_path / "report.json")
+    bridge = _succeeded(_launch(2, "train_ddp.py", *options, "--checkpoint", checkpoint, mode=mode, report=report))
     torch_ddp = _succeeded(_launch(2, "train_ddp.py", *options, "--backend", "gloo", "--device", "cpu",
                                    "--checkpoint", str(tmp_path / "torch.pt"), bridge=False))
     single = _succeeded(run_python("-m", "bridge", "run", "--quiet", "--mode", mode,
                                    os.path.join(SCRIPTS, "train_ddp.py"), *options))
     _assert_same_training(bridge, torch_ddp)
     _assert_same_training(bridge, single)
+    # In captured mode each step's program averaged the gradients (no program of their own).
+    for rank in range(2):
+        averages = json.loads((tmp_path / f"report.rank{rank}.json").read_text())["ddp_gradient_averages"]
+        assert averages == ({"in_step": 3, "alone": 0} if mode == "captured" else {"in_step": 0, "alone": 3})
     # Rank 0's checkpoint: an ordinary torch file with DDP's "module." keys, as torch's DDP saves it.
     saved, expected = torch.load(checkpoint), torch.load(str(tmp_path / "torch.pt"))
     assert list(saved) == list(expected) and all(key.startswith("module.") for key in saved)
@@ -95,6 +102,20 @@ def test_fsdp2_matches_one_process_and_gathers_a_torch_checkpoint(tmp_path):
     for key in saved:
         assert type(saved[key]) is torch.Tensor
         torch.testing.assert_close(saved[key], expected[key], rtol=1e-5, atol=1e-6)
+
+
+def test_a_gradient_read_on_one_rank_before_the_step_makes_every_rank_average_alone(tmp_path):
+    """Rank 0 alone reads a gradient between backward and step (a rank-0 log line): it needs the
+    average then, so every rank runs it in a program of its own that step (they vote), and the
+    training is the same as one process's."""
+    options = ["--optimizer", "sgd", "--steps", "3"]
+    report = str(tmp_path / "report.json")
+    peeked = _succeeded(_launch(2, "train_ddp.py", *options, "--peek", report=report))
+    single = _succeeded(run_python("-m", "bridge", "run", "--quiet", os.path.join(SCRIPTS, "train_ddp.py"), *options))
+    _assert_same_training(peeked, single)
+    for rank in range(2):
+        averages = json.loads((tmp_path / f"report.rank{rank}.json").read_text())["ddp_gradient_averages"]
+        assert averages == {"in_step": 0, "alone": 3}
 
 
 def test_ddp_with_batch_norm_matches_torchs_ddp():

@@ -25,7 +25,7 @@ import torch
 
 from bridge.runtime import capture, optimizers
 from bridge.runtime.config import settings
-from bridge.runtime.tensor import BridgeTensor, read_value, read_values, root_of
+from bridge.runtime.tensor import BridgeTensor, read_value, root_of
 
 from . import Patch, custom_functions
 
@@ -319,8 +319,12 @@ def clip_grad_norm(wrapped, instance, args, kwargs):
     with torch.no_grad():
         if not _can_wait(grads):
             return _clip_region(grads, max_norm, norm_type, foreach)
+        # Work the gradients wait for runs first (an earlier clip), but DDP's average, which
+        # the clip then holds for the step (optimizers.PendingReduction).
+        reduction = optimizers.PendingReduction.of(grads)
         for grad in grads:
-            read_value(grad)  # an earlier clip still waiting runs first
+            if reduction is None or root_of(grad)._pending is not reduction:
+                read_value(grad)
         clip_now = functools.partial(_clip_region, max_norm=max_norm, norm_type=norm_type, foreach=foreach)
         return optimizers.PendingClip([root_of(grad) for grad in grads], max_norm, norm_type, clip_now).norm
 
@@ -343,7 +347,7 @@ def _clip_arguments(grads):
     they all wait for is computed by the update (or its known coefficient applied)."""
     clip = optimizers.PendingClip.of(grads)
     if clip is None:
-        return clip, read_values(grads), (None, None), {}
+        return clip, optimizers.gradient_values(grads), (None, None), {}
     values, clip_values, coefficient = clip.update_inputs(grads)
     return clip, values, (clip_values, coefficient), {"max_norm": clip.max_norm, "norm_type": clip.norm_type}
 

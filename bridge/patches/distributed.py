@@ -30,11 +30,12 @@ from torch.utils import _pytree as pytree
 
 from bridge.runtime import devices
 from bridge.runtime import distributed as collectives
+from bridge.runtime import optimizers, stats
 from bridge.runtime.callsite import user_call_site
 from bridge.runtime.config import settings
 from bridge.runtime.dtypes import TORCH_TO_JAX
 from bridge.runtime.errors import DistributedError
-from bridge.runtime.tensor import BridgeTensor, numpy_to_torch, read_value, read_values, torch_to_numpy, write_value
+from bridge.runtime.tensor import BridgeTensor, numpy_to_torch, read_value, read_values, root_of, torch_to_numpy, write_value
 
 from . import Patch, collect, wrap
 
@@ -561,6 +562,7 @@ class DistributedDataParallel(_TorchDistributedDataParallel):
                 "(init_process_group was called before the bridge was active?); activate the bridge first"
             )
         self._queued = False
+        self._reducer = _Reducer(self._backend)
         self._synchronize(self._parameters_synced + self._buffers_synced, "DistributedDataParallel's broadcast")
         for parameter in self._parameters_synced:
             parameter.register_post_accumulate_grad_hook(self._gradient_ready)
@@ -629,20 +631,53 @@ class DistributedDataParallel(_TorchDistributedDataParallel):
         if len(self._group) == 1:
             return
         parameters = self._parameters_synced
-        missing = [parameter.grad is None for parameter in parameters]
+        grads = [parameter.grad for parameter in parameters]
+        if settings.capture and not settings.tracing and _whole_and_distinct(grads):
+            # The optimizer's step takes the average into its program (the ranks agree there).
+            optimizers.PendingReduction([root_of(grad) for grad in grads], self._reducer)
+            return
+        self._reducer.agree(False)
+        stats.ddp_averages["alone"] += 1
+        missing = [grad is None for grad in grads]
         gradients = [jnp.zeros(p.shape, TORCH_TO_JAX[p.dtype]) if absent else read_value(p.grad)
                      for p, absent in zip(parameters, missing)]
-        # Which ranks had a gradient for each parameter: one that none had keeps None, as in torch.
-        had = jnp.asarray([0 if absent else 1 for absent in missing], jnp.int32)
-        self._backend._meet("DistributedDataParallel's gradient all_reduce")
-        reductions = ("DIVIDED_SUM",) * len(gradients) + ("SUM",)
-        *averaged, counts = collectives.all_reduce(gradients + [had], self._group, reductions)
-        counts = np.asarray(counts) if any(missing) else None
+        averaged, counts = self._reducer.average(gradients, missing)
         for index, (parameter, value) in enumerate(zip(parameters, averaged)):
             if not missing[index]:
                 write_value(parameter.grad, value)
             elif counts[index]:
                 parameter.grad = BridgeTensor(value, devices.current_index())
+
+
+def _whole_and_distinct(grads) -> bool:
+    """Gradients a step may take unreduced: each a whole array of its own on the bridge."""
+    if not all(isinstance(grad, BridgeTensor) and not grad._chain for grad in grads):
+        return False
+    return len({id(root_of(grad)) for grad in grads}) == len(grads)
+
+
+class _Reducer:
+    """How a DDP module's gradients are averaged over its group (the `reducer` of
+    runtime.optimizers.PendingReduction): one all_reduce of all of them, with a count of the
+    ranks that had each (a parameter no rank used keeps no gradient, as in torch). The ranks
+    agree first whether the step's program runs it or a program of its own does."""
+
+    def __init__(self, backend):
+        self.backend = backend
+        self.group = backend.group
+
+    def agree(self, in_step: bool) -> bool:
+        return collectives.agree(self.group, "DistributedDataParallel's gradient all_reduce", self.backend.timeout,
+                                 user_call_site(), in_step)
+
+    def average(self, gradients, missing):
+        had = jnp.asarray([0 if absent else 1 for absent in missing], jnp.int32)
+        reductions = ("DIVIDED_SUM",) * len(gradients) + ("SUM",)
+        *averaged, counts = collectives.all_reduce(gradients + [had], self.group, reductions)
+        return averaged, (np.asarray(counts) if any(missing) else None)
+
+    def alone(self, values):
+        return self.average(values, [False] * len(values))[0]
 
 
 PATCHES = collect(dict(globals())) + [

@@ -749,8 +749,9 @@ def _repeated(optimizer, args, kwargs):
 def _in_one_program(optimizer, run):
     """run(), with the update programs of a step of several groups run as one program
     (runtime.optimizers.one_program)."""
-    if len(optimizer.param_groups) == 1:
+    if len(optimizer.param_groups) == 1 and not optimizers.reductions_waiting():
         return run()
+    # (A DDP average waiting for this step is taken into the batch's program.)
     with optimizers.one_program() as batch:
         result = run()
         kinds = {call[0] for call in batch.calls}

@@ -20,6 +20,8 @@ parser.add_argument("--optimizer", default="sgd")
 parser.add_argument("--norm", action="store_true", help="a BatchNorm layer (its buffers are broadcast)")
 parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per step, all but the last under no_sync()")
 parser.add_argument("--checkpoint")
+parser.add_argument("--clip", type=float, help="clip_grad_norm_ before each step")
+parser.add_argument("--peek", action="store_true", help="rank 0 reads a gradient between backward and step")
 options = parser.parse_args()
 
 distributed = "RANK" in os.environ
@@ -64,6 +66,10 @@ for step in range(options.steps):
         with context:
             loss = F.cross_entropy(model(inputs), targets) / options.accumulate
             loss.backward()
+    if options.clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), options.clip)
+    if options.peek and rank == 0:
+        print("first gradient", float(next(model.parameters()).grad.flatten()[0]))
     optimizer.step()
     reported = loss.detach() * options.accumulate
     if distributed:
