@@ -5,6 +5,7 @@ import os
 
 import jax
 
+from bridge import whole_module
 from bridge.runtime import capture, deferred, devices, random, stats, versions
 from bridge.runtime.config import settings
 from bridge.runtime.errors import ActivationError
@@ -91,6 +92,7 @@ def activate(device: str = "auto", strict: bool = False, check_signatures: bool 
     _state["options"] = {"device": device, "strict": strict, "check_signatures": check_signatures, "mode": mode}
     stats.reset()
     capture.reset()
+    whole_module.reset()
 
 
 def _configure_xla():

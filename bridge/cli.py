@@ -31,7 +31,10 @@ def _parser():
     run.add_argument(
         "--strict",
         action="store_true",
-        help="make every op that would fall back to eager torch on the CPU an error naming the op and the calling line",
+        help=(
+            "make every op that would fall back to eager torch on the CPU, or make its module run whole through "
+            "torch.export, an error naming the op, the module and the calling line"
+        ),
     )
     run.add_argument("--quiet", action="store_true", help="do not print the summary on stderr at exit")
     run.add_argument(

@@ -54,7 +54,7 @@ def to_jax(module: torch.nn.Module, *example_inputs: Any, with_state: bool = Fal
     each trace of `fn` activate it for their duration (torch is left as it was). That turns
     JAX's 64-bit types on (`jax_enable_x64`) for the process: torch's int64 and float64 are real.
     """
-    exported = _export(module, example_inputs, example_kwargs)
+    exported = export_on_host(module, example_inputs, example_kwargs)
     with _bridge_active():
         function, state = export.to_jax(exported)
     signature = exported.graph_signature
@@ -96,7 +96,7 @@ def _bridge_active() -> Iterator[None]:
         deactivate()
 
 
-def _export(module: torch.nn.Module, inputs: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+def export_on_host(module: torch.nn.Module, inputs: tuple, kwargs: dict) -> torch.export.ExportedProgram:
     """torch.export of the module on the host: its tensors and the example inputs as CPU tensors
     (bridge tensors, a module already moved to the bridge device, are copied back)."""
     if any(isinstance(tensor, BridgeTensor) for tensor in module.state_dict().values()):

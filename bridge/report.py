@@ -5,13 +5,30 @@ import json
 import os
 import sys
 
+from bridge import whole_module
 from bridge.runtime import capture, stats
 
 
 def _data():
     data = stats.summary()
     data["capture"] = capture.summary()
+    data["whole_modules"] = whole_module.summary()
     return data
+
+
+def _whole_module_line(record):
+    """One module met by the whole-module rung (bridge/whole_module.py), for the summary."""
+    cause = f"{record['op']} has no mapping, first at {record['site']}"
+    if record["status"] == "exported":
+        note = f"; {record['reason']}" if record["reason"] else ""
+        regions = f", and inside captured regions' programs ({record['traced']} trace(s))" if record["traced"] else ""
+        return (
+            f"bridge: module {record['module']} ran whole through torch.export: {record['calls']} call(s) on their own"
+            f"{regions}, {record['programs']} export(s); {cause}{note}"
+        )
+    if record["status"] == "not exported":
+        return f"bridge: module {record['module']} could not be exported ({record['reason']}); its {cause}, runs on the host CPU"
+    return f"bridge: module {record['module']} was to run whole through torch.export from its next call ({cause}); it was not called again"
 
 
 def summary_text(data=None):
@@ -21,6 +38,9 @@ def summary_text(data=None):
         f"bridge: {data['ops_run']} torch ops ran ({data['distinct_ops']} distinct) in {data['wall_seconds']:.1f} s: "
         + ", ".join(f"{count} {rung}" for rung, count in by_rung.items()),
     ]
+    exported = [record for record in data.get("whole_modules", ()) if record["status"] == "exported"]
+    if exported:
+        lines[0] += f"; {len(exported)} module(s) run whole through torch.export"
     slow = [op for op in data["ops"] if op["rung"] != stats.MAPPED and op["host_seconds"] >= 0.01]
     if slow:
         # What the slow rungs cost, largest first, so that what dominates shows at once.
@@ -35,6 +55,8 @@ def summary_text(data=None):
         lines.append(
             f"bridge: CPU fallback {fallback['op']} ran {fallback['calls']} time(s), first at {fallback['first_call_site']}"
         )
+    for record in data.get("whole_modules", ()):
+        lines.append(_whole_module_line(record))
     if data.get("host_runs"):
         lines.append(
             "bridge: small integer ops ran on the host by torch's CPU kernels (token ids, positions, masks): "
@@ -154,6 +176,11 @@ def html_page(data):
         f"<tr><td>{html.escape(item['op'])}</td><td>{item['calls']}</td><td><code>{html.escape(item['first_call_site'])}</code></td></tr>"
         for item in data["cpu_fallbacks"]
     ) or '<tr><td colspan="3">none</td></tr>'
+    whole = "".join(
+        f"<tr><td>{html.escape(item['module'])}</td><td>{html.escape(item['op'])}</td><td><code>{html.escape(item['site'])}</code></td>"
+        f"<td>{html.escape(item['status'])}</td><td>{item['calls']}</td><td>{item['traced']}</td><td>{html.escape(item['reason'])}</td></tr>"
+        for item in data.get("whole_modules", ())
+    ) or '<tr><td colspan="7">none</td></tr>'
     corrections = "".join(
         f"<li>{html.escape(item['op'])}: {html.escape(item['detail'])}</li>" for item in data["dtype_corrections"]
     )
@@ -175,6 +202,10 @@ svg text {{ font-size: 13px; }} .bar {{ fill: #4878a8; }} code {{ font-size: 12p
 {_bar_chart("Host time by op family", data["host_seconds_by_family"], "s")}
 <h2>CPU fallbacks</h2>
 <table><tr><th>op</th><th>calls</th><th>first call site</th></tr>{fallbacks}</table>
+<h2>Modules run whole through torch.export</h2>
+<p>A module whose forward reached an op with no mapping and no decomposition runs, from its next call, as its
+torch.export translated into one JAX function; where export fails, the op keeps the CPU fallback.</p>
+<table><tr><th>module</th><th>op</th><th>first call site</th><th>status</th><th>calls on their own</th><th>traces into regions</th><th>why not, or note</th></tr>{whole}</table>
 {_capture_section(data["capture"])}
 {"<h2>dtype corrections</h2><ul>" + corrections + "</ul>" if corrections else ""}
 <h2>Every op</h2>

@@ -78,6 +78,13 @@ class _NeedsHostValues(Exception):
     """A trace met a value needed on the host (`bool(t)`, `t.item()`) that it has no value for."""
 
 
+class EagerRunFirst(GraphBreak):
+    """Raised in a region's trace by something that one eager run of the region settles: an op
+    with no mapping inside a module that the bridge exports whole at its next call
+    (bridge/whole_module.py). That call runs eagerly and the next one traces again; after
+    MAX_LEARNS such calls the region breaks."""
+
+
 class _GuardFailed(Exception):
     """A program's values needed on the host came out other than those it was traced with."""
 
@@ -1274,6 +1281,7 @@ class Region:
         self.learned = {}  # call structure -> the values its code needed on the host (_learn)
         self.learns = 0
         self.changes = 0  # calls in a row that changed an argument object's attributes
+        self.eager_first = [0, 0.0]  # calls run eagerly because their trace raised EagerRunFirst, their seconds
 
     def __call__(self, *args, **kwargs):
         if deferred._current is not None and not settings.tracing:
@@ -1299,7 +1307,7 @@ class Region:
                 return self._break(GraphBreak(f"more than {MAX_PROGRAMS} structures compiled"), args, kwargs)
             try:
                 program, result = self._compile(key, leaves, spec, roots, inputs, objects)
-            except (_NeedsHostValues, _GuardFailed, _CarriedChanged) as error:
+            except (_NeedsHostValues, _GuardFailed, _CarriedChanged, EagerRunFirst) as error:
                 failure, learn = error, True
             except Exception as error:  # noqa: BLE001 - any failure to capture runs the region eagerly
                 failure, learn = error, False
@@ -1309,6 +1317,8 @@ class Region:
             # Outside the handler: an error of the eager run is not chained to the trace's.
             if isinstance(failure, _CarriedChanged):
                 return self._eagerly_once(failure, args, kwargs)
+            if isinstance(failure, EagerRunFirst):
+                return self._eagerly_first(failure, args, kwargs)
             if learn:
                 return self._learn(key, failure, args, kwargs)
             return self._break(failure, args, kwargs)
@@ -1331,6 +1341,18 @@ class Region:
             name, why = changed.args
             return self._break(GraphBreak(f"each call {_CHANGED[why].format(name=name)}"), args, kwargs)
         return self.function(*args, **kwargs)
+
+    def _eagerly_first(self, error, args, kwargs):
+        """A call whose trace raised EagerRunFirst runs op by op; the next one traces again. Such
+        calls count toward a break that follows (they ran op by op too)."""
+        if self.eager_first[0] >= MAX_LEARNS:
+            return self._break(error, args, kwargs)
+        start = time.perf_counter()
+        try:
+            return self.function(*args, **kwargs)
+        finally:
+            self.eager_first[0] += 1
+            self.eager_first[1] += time.perf_counter() - start
 
     def _learn(self, key, why, args, kwargs):
         """Run the region eagerly once (its own code and its submodules', op by op), recording the
@@ -1472,7 +1494,7 @@ class Region:
                 program.speculate = scalars[0]
 
     def _record_break(self, error):
-        record = Break(self.name, _reason(error), _user_site(error))
+        record = Break(self.name, _reason(error), _user_site(error), *self.eager_first)
         self.broken = record
         breaks.append(record)
         return record

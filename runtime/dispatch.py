@@ -1100,6 +1100,13 @@ def replace_contents(target, value):
     write_value(target, value)
 
 
+def rung_of(func):
+    """The rung of the ladder that `func` takes (stats' names), its plan made if it has none yet."""
+    if func not in _plans:
+        _make_plan(func)
+    return stats.op_rung.get(func, stats.MAPPED)
+
+
 def _run_uncounted(func, args, kwargs):
     plan = _plans.get(func)
     if plan is None:
@@ -1128,25 +1135,40 @@ def _to_cpu(value):
     return value
 
 
+# Called as `fallback_hook(func, site)` when an op is about to take the CPU fallback: the bridge's
+# whole-module rung (bridge/whole_module.py) installs it while active. It returns a phrase naming the
+# module whose call runs the op ("the module Block"), or None, and may raise instead (inside a
+# captured region's trace, so that the region runs eagerly once and that module is exported).
+fallback_hook = None
+
+
 def _fallback_plan(func):
     written = _written_arguments(func._schema)
     warned = []
 
     def run(args, kwargs):
         site = user_call_site()
+        module = fallback_hook(func, site) if fallback_hook is not None else None
         if settings.strict:
+            inside = f"\n  inside {module}" if module else ""
             raise UnsupportedOpError(
                 f"torch operator {func} has no bridge mapping and no decomposition, and --strict forbids "
-                f"running it on the CPU.\n  called at {site}\n  what to do: run without --strict to let "
-                f"it run on the host CPU (slow, but correct), or file an issue asking for a mapping of {func}."
+                f"running it on the CPU or exporting its module whole.{inside}\n  called at {site}\n  what to do: "
+                f"run without --strict to let the bridge run {module or 'it'} through torch.export or, where that "
+                f"fails, the op on the host CPU (slow, but correct), or file an issue asking for a mapping of {func}."
             )
         stats.fallback_calls[func] += 1
         if not warned:
             warned.append(True)
             stats.fallback_sites.setdefault(func, site)
+            later = (
+                f" It ran inside {module}, which the bridge tries to run whole through torch.export from its next call."
+                if module
+                else ""
+            )
             warn_at_user_site(
                 f"bridge: {func} has no mapping; running it with eager torch on the host CPU "
-                f"(slow: a copy to the host and back). This warning is shown once per op.",
+                f"(slow: a copy to the host and back).{later} This warning is shown once per op.",
                 CPUFallbackWarning,
             )
         index = _device_index(args, kwargs)

@@ -12,7 +12,9 @@
 
 Optimizer steps are bridge/patches/optim.py's.
 
-Everything here is inert in eager mode (`--mode eager`, BRIDGE_MODE=eager).
+Everything here is inert in eager mode (`--mode eager`, BRIDGE_MODE=eager), except the
+whole-module rung (bridge/whole_module.py): a module whose forward reached an op with no mapping
+runs as its exported program in both modes.
 """
 
 import functools
@@ -23,7 +25,8 @@ import weakref
 
 import torch
 
-from bridge.runtime import capture, optimizers
+from bridge import whole_module
+from bridge.runtime import capture, dispatch, optimizers
 from bridge.runtime.config import settings
 from bridge.runtime.tensor import BridgeTensor, read_value, root_of
 
@@ -173,6 +176,11 @@ class _ModuleRegion:
 
 
 def module_call(wrapped, instance, args, kwargs):
+    if whole_module.modules and instance is not None and instance in whole_module.modules:
+        # a module whose forward reached an op with no mapping: its exported program, in both modes
+        result = whole_module.call(instance, args, kwargs)
+        if result is not whole_module.NOT_ROUTED:
+            return result
     if (
         not settings.capture
         or capture.tracing_or_learning()
@@ -399,6 +407,7 @@ def make_grads(wrapped, instance, args, kwargs):
 PATCHES = [
     Patch(torch.autograd, "_make_grads", wrapper=make_grads),
     Patch(torch.nn.Module, "__call__", wrapper=module_call),
+    Patch(dispatch, "fallback_hook", replacement=whole_module.fallback_reached),
     Patch(importlib.import_module("torch.nn.utils.clip_grad"), "clip_grad_norm_", wrapper=clip_grad_norm),
     Patch(torch.nn.utils, "clip_grad_norm_", wrapper=clip_grad_norm),
     Patch(torch, "compile", replacement=compile),
