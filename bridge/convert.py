@@ -1076,14 +1076,20 @@ def _load(source: Any) -> Any:
 
 
 def stablehlo(program: Any, shapes: Optional[list] = None, platforms: Optional[list] = None) -> tuple[dict, bytes]:
-    """(the state, `jax.export`'s serialization of forward(params, *inputs))."""
+    """(the state, `jax.export`'s serialization of forward(params, *inputs)); a torch.export
+    program's dynamic dimensions are symbolic dimensions of the artifact, unless `shapes` fix them."""
     try:
         import flatbuffers  # noqa: F401  (jax.export's serialization format)
     except ImportError:
         raise ConversionError("--to stablehlo needs the flatbuffers package (jax.export writes with it): pip install flatbuffers") from None
+    from bridge.runtime import export
+    from bridge.runtime.errors import SymbolicShapeError
+
     names, types = input_types(program, shapes)
     exported_program = getattr(program, "exported", None)
     in_spec = exported_program.call_spec.in_spec if exported_program is not None else None
+    if exported_program is not None and not shapes:
+        types = export.symbolic_input_types(exported_program)  # its dynamic dimensions stay symbolic
     state = dict(program.state)
 
     def forward(params, *inputs):
@@ -1096,7 +1102,10 @@ def stablehlo(program: Any, shapes: Optional[list] = None, platforms: Optional[l
         return program.jax_function(params, *args, **kwargs)[0]
 
     state_types = {name: jax.ShapeDtypeStruct(value.shape, value.dtype) for name, value in state.items()}
-    exported = jax.export.export(jax.jit(forward), platforms=platforms)(state_types, *types)
+    try:
+        exported = jax.export.export(jax.jit(forward), platforms=platforms)(state_types, *types)
+    except SymbolicShapeError as error:
+        raise ConversionError(f"{error} To write it at fixed sizes, give each input's shape with --input.") from None
     return {name: np.asarray(value) for name, value in state.items()}, exported.serialize()
 
 

@@ -11,6 +11,7 @@ import jax
 import torch
 from torch.utils import _pytree as pytree
 
+from bridge.runtime import symbolic
 from bridge.runtime.tensor import BridgeTensor, read_value, to_bridge
 
 try:  # (present in every supported torch; guarded so that a move of them does not stop the tables)
@@ -48,7 +49,8 @@ def _index(values):
 
 def cond(pred, true_fn, false_fn, operands):
     index = _index([pred, *operands])
-    predicate = read_value(pred) if isinstance(pred, BridgeTensor) else pred
+    # (a SymBool, a test of a jax.export trace's dimensions: its value computed from them)
+    predicate = read_value(pred) if isinstance(pred, BridgeTensor) else symbolic.jax_value(pred)
     arrays = _arrays(operands)
     out = jax.lax.cond(predicate, _traced(true_fn, index), _traced(false_fn, index), *arrays)
     return _wrapped(out, index)

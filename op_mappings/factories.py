@@ -6,6 +6,7 @@ Layout, device and memory-format arguments are accepted and ignored: the runtime
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -110,6 +111,10 @@ def arange_start(start, end, *, dtype=None, layout=None, device=None, pin_memory
 @register_mapping(aten.arange.start_step)
 def arange_start_step(start, end, step=1, *, dtype=None, layout=None, device=None, pin_memory=None):
     result = jnp_dtype(dtype, _scalar_dtype_of_range(start, end, step))
+    if any(jax.export.is_symbolic_dim(bound) for bound in (start, end, step)):
+        # a dynamic dimension of a jax.export trace (arange(seq_len)): its length in integers
+        length = max(0, -(-(end - start) // step))
+        return (start + jnp.arange(length, dtype=jnp.int64) * step).astype(result)
     if not jnp.issubdtype(result, jnp.inexact):
         # Integer ranges step from their bounds read as integers: arange(0.5, 5, 1.5, dtype=int64)
         # steps by 1 from 0 (its length: runtime/versions.py).

@@ -18,7 +18,7 @@ import os
 
 import jax
 
-from . import dtypes, precision, stats
+from . import dtypes, precision, stats, symbolic
 from .config import settings
 from .errors import MappingMismatchError
 
@@ -267,6 +267,8 @@ class CompiledEntry:
         if not (self.enabled and settings.compile_ops) or settings.tracing:
             if not self.enabled and settings.compile_ops and not settings.tracing and self.op in stats.uncompiled_reasons:
                 return self._uncompiled(values, keywords)  # (an op that stopped compiling)
+            if symbolic.current is not None:  # torch's SymInts as jax.export's dimension expressions
+                values, keywords = symbolic.jax_arguments(values, keywords)
             return self.call(*values, **keywords)
         arrays = []
         key = self._key(values, keywords, arrays)

@@ -73,6 +73,11 @@ class DataDependentShapeError(BridgeError):
     inputs on the device: XLA fixes shapes before the program runs."""
 
 
+class SymbolicShapeError(BridgeError):
+    """A dynamic dimension of a whole graph cannot stay symbolic under `jax.export`: an op needs
+    it as a number. The message names the graph's node, its op and the dimension."""
+
+
 class BridgeWarning(UserWarning):
     """Base class of the bridge's warnings."""
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from . import devices
+from . import devices, symbolic
 from .config import settings
 from .dtypes import JAX_TO_TORCH, TORCH_TO_JAX
 
@@ -58,10 +58,16 @@ class BridgeTensor(torch.Tensor):
     def __new__(cls, value, index=0, requires_grad=False):
         # The wrapper's device is torch's default, the CPU; a new tensor is made for each op's
         # result, so only what differs from the defaults is passed.
-        if requires_grad:
-            tensor = _make_wrapper(cls, value.shape, dtype=JAX_TO_TORCH[value.dtype], requires_grad=True)
-        else:
-            tensor = _make_wrapper(cls, value.shape, dtype=JAX_TO_TORCH[value.dtype])
+        try:
+            if requires_grad:
+                tensor = _make_wrapper(cls, value.shape, dtype=JAX_TO_TORCH[value.dtype], requires_grad=True)
+            else:
+                tensor = _make_wrapper(cls, value.shape, dtype=JAX_TO_TORCH[value.dtype])
+        except TypeError:
+            if not symbolic.is_symbolic(value.shape):
+                raise
+            # a dimension variable of jax.export's trace (runtime/symbolic.py): a SymInt to torch
+            tensor = _make_wrapper(cls, symbolic.torch_shape(value.shape), dtype=JAX_TO_TORCH[value.dtype], requires_grad=requires_grad)
         tensor._value = value
         tensor._index = index
         return tensor

@@ -8,11 +8,15 @@ from jax import lax
 import numpy as np
 import torch
 
+from . import symbolic
+
 
 def freeze(value):
     """A hashable form of a view op's argument (lists of sizes become tuples)."""
     if isinstance(value, list):
         return tuple(freeze(item) for item in value)
+    if isinstance(value, torch.SymInt):  # a size of a symbolic trace (runtime/symbolic.py)
+        return symbolic.jax_value(value)
     return value
 
 

@@ -179,6 +179,24 @@ def test_stablehlo_round_trip(tmp_path):
         np.testing.assert_allclose(np.asarray(out[name]), expected[name].detach().numpy(), rtol=RTOL, atol=ATOL)
 
 
+def test_stablehlo_keeps_a_dynamic_batch_symbolic(tmp_path):
+    """A program exported with a dynamic batch (torch.export.Dim) writes an artifact whose batch
+    is a symbolic dimension: one file runs at several batch sizes."""
+    pytest.importorskip(STABLEHLO_NEEDS, reason="--to stablehlo needs flatbuffers (jax.export's serialization format)")
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    batch = torch.export.Dim("batch", min=2, max=512)
+    torch.export.save(torch.export.export(net, (torch.randn(3, 4),), dynamic_shapes=({0: batch},)), tmp_path / "net.pt2")
+    assert main(["convert", str(tmp_path / "net.pt2"), "--to", "stablehlo"]) == 0
+    exported = jax.export.deserialize(bytearray((tmp_path / "net.stablehlo").read_bytes()))
+    assert not isinstance(exported.in_avals[-1].shape[0], int) and exported.out_avals[0].shape[1] == 2
+    params_file = next(name for name in os.listdir(tmp_path) if name.startswith("net.") and name.endswith((".safetensors", ".npz")))
+    params = _read_params(tmp_path / params_file)
+    for size in (2, 9):
+        x = torch.randn(size, 4)
+        np.testing.assert_allclose(np.asarray(exported.call(params, x.numpy())), net(x).detach().numpy(), rtol=RTOL, atol=ATOL)
+
+
 def _read_params(path):
     if str(path).endswith(".npz"):
         with np.load(path) as archive:
