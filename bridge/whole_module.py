@@ -87,7 +87,9 @@ def fallback_reached(op, site):
     """runtime/dispatch.py's `fallback_hook`: `op` is about to run on the CPU fallback. Records the
     innermost module whose call runs it, to be exported at its next call; inside a captured
     region's trace, raises so that the region runs eagerly once (and exports it) or breaks."""
-    module = None if _routing[0] else _innermost_module()
+    if _routing[0] or (settings.tracing and not capture.tracing()):
+        return None  # an exported program's graph, or a saved graph being translated: not a module's call
+    module = _innermost_module()
     if module is None:
         if capture.tracing():
             raise GraphBreak(f"{op} has no mapping and no decomposition (it runs on the host CPU)")
