@@ -90,10 +90,12 @@ def test_ddp_matches_torchs_ddp_and_one_process(mode, tmp_path):
 
 
 def test_fsdp2_matches_one_process_and_gathers_a_torch_checkpoint(tmp_path):
-    """fully_shard per block and at the root over a device mesh, AdamW; the full state dict that
+    """fully_shard per block and at the root, AdamW, the model made as large ones are (on the
+    meta device, `init_process_group(device_id=)`, FSDP's default mesh, `to_empty`, rank 0's
+    full state dict broadcast into the shards); the full state dict that
     torch.distributed.checkpoint gathers for rank 0 loads in plain torch."""
     checkpoint = str(tmp_path / "fsdp.pt")
-    sharded = _succeeded(_launch(2, "train_fsdp.py", "--checkpoint", checkpoint))
+    sharded = _succeeded(_launch(2, "train_fsdp.py", "--meta", "--checkpoint", checkpoint))
     single = _succeeded(run_python("-m", "bridge", "run", "--quiet", os.path.join(SCRIPTS, "train_fsdp.py"),
                                    "--checkpoint", str(tmp_path / "single.pt")))
     _assert_same_training(sharded, single)

@@ -385,7 +385,29 @@ def _factory(wrapped, instance, args, kwargs):
         if args and isinstance(args[0], BridgeTensor):
             return _make_on_host(wrapped, args, kwargs)
         return wrapped(*args, **kwargs)
+    if (args and wrapped.__name__ in _FILLED_LIKE and isinstance(args[0], torch.Tensor) and _other_subclass(args[0])
+            and hasattr(args[0], "__tensor_flatten__")):
+        return _like_each_inner(wrapped, args, kwargs)
     return _make_on_bridge(wrapped, args, kwargs, index)
+
+
+# Factories shaped like a tensor and filled without random numbers (a DTensor's random numbers
+# are drawn by its own offset tracker, across ranks: torch's path).
+_FILLED_LIKE = {"empty_like", "zeros_like", "ones_like", "full_like"}
+
+
+def _like_each_inner(wrapped, args, kwargs):
+    """A factory like a wrapper subclass (a DTensor on the meta device that `Module.to_empty`
+    moves to the GPU, as FSDP2's models are made): the same factory on each inner tensor, then
+    the subclass rebuilt around them, as the subclass's own dispatch would."""
+    outer = args[0]
+    names, context = outer.__tensor_flatten__()
+    inner = {}
+    for name in names:
+        value = getattr(outer, name)  # (DTensor's device mesh is an inner value too)
+        inner[name] = _factory(wrapped, None, (value, *args[1:]), kwargs) if isinstance(value, torch.Tensor) else value
+    made = type(outer).__tensor_unflatten__(inner, context, outer.size(), outer.stride())
+    return made.requires_grad_(bool(kwargs.get("requires_grad", False)))
 
 
 def _sparse_factory(wrapped, instance, args, kwargs):
@@ -860,6 +882,12 @@ def accelerator_is_available(check_fork=False):
 
 @replace(torch.accelerator, "current_accelerator")
 def current_accelerator(check_available=False):
+    return torch.device(settings.device_type)
+
+
+# What torch.distributed and FSDP2 ask for the machine's accelerator (its device mesh by default).
+@replace(torch._C, "_get_accelerator")
+def get_accelerator():
     return torch.device(settings.device_type)
 
 

@@ -176,6 +176,24 @@ def c10d_get_backend(wrapped, instance, args, kwargs):
     return get_backend(wrapped, instance, args, kwargs)
 
 
+@wrap(dist, "barrier")
+def barrier(wrapped, instance, args, kwargs):
+    """A bridge group's barrier is its backend's meeting, whatever device torch would pick for
+    it: with `init_process_group(device_id=)` torch's barrier makes a tensor on that device first
+    (a CUDA tensor, which a machine without CUDA cannot make)."""
+    arguments = inspect.signature(wrapped).bind(*args, **kwargs).arguments
+    backend = backend_of(arguments.get("group") or dist.GroupMember.WORLD)
+    if backend is None:
+        return wrapped(*args, **kwargs)
+    work = backend.barrier()
+    return work if arguments.get("async_op") else None
+
+
+@wrap(dist.distributed_c10d, "barrier")
+def c10d_barrier(wrapped, instance, args, kwargs):
+    return barrier(wrapped, instance, args, kwargs)
+
+
 # ---------------------------------------------------------------- torch.multiprocessing.spawn
 
 
@@ -302,6 +320,16 @@ class BridgeBackend(_backend_base()):
     def getBackendName(self):
         return BACKEND
 
+    # What torch asks a backend before using features it may lack (`init_process_group(device_id=)`
+    # asks for splitting): none of them here. Left to c10d.Backend, each property calls back into
+    # Python for its own name and recurses.
+    supports_splitting = supports_coalescing = supports_time_estimate = False
+    supports_reconfigure = supports_shrinking = supports_window = False
+
+    @property
+    def options(self):
+        return c10d.Backend.Options(BACKEND, datetime.timedelta(seconds=self.timeout))
+
     if _backend_base() is dist.ProcessGroup:
         # As a whole ProcessGroup (torch before 2.14) the group has no C++ backend to hold its name,
         # and torch's getter reads the name from there ("ProcessGroup name not set"): DeviceMesh and
@@ -319,6 +347,13 @@ class BridgeBackend(_backend_base()):
         @property
         def group_desc(self):
             return self._bridge_group_desc
+
+        def _get_backend(self, device):
+            return self  # the group is its own backend on every device
+
+        @property
+        def _device_types(self):
+            return [torch.device("cuda"), torch.device("cpu")]  # as torch 2.14 lists the registered ones
 
     def _meet(self, name):
         if len(self.group) > 1:

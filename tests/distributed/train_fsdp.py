@@ -16,6 +16,9 @@ parser.add_argument("--backend", default="nccl")
 parser.add_argument("--steps", type=int, default=3)
 parser.add_argument("--batch", type=int, default=8, help="global batch")
 parser.add_argument("--checkpoint")
+parser.add_argument("--meta", action="store_true",
+                    help="as large models are made: on the meta device, sharded over FSDP's default mesh, moved "
+                         "with to_empty, rank 0's full state dict broadcast into the shards")
 options = parser.parse_args()
 
 distributed = "RANK" in os.environ
@@ -26,10 +29,10 @@ if distributed:
     local_rank = int(os.environ["LOCAL_RANK"])
     if options.device == "cuda":
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(options.backend)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mesh = init_device_mesh(options.device, (world,))
     device = torch.device(options.device, local_rank) if options.device == "cuda" else torch.device("cpu")
+    dist.init_process_group(options.backend, device_id=device if options.meta else None)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = None if options.meta else init_device_mesh(options.device, (world,))
 else:
     rank, world, device = 0, 1, torch.device(options.device)
 
@@ -44,12 +47,26 @@ class Block(torch.nn.Module):
         return x + torch.tanh(self.linear(self.norm(x)))
 
 
+def make():
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), Block(), Block(), torch.nn.Linear(16, 3))
+
+
 torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(6, 16), Block(), Block(), torch.nn.Linear(16, 3)).to(device)
+if distributed and options.meta:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    full = make().state_dict() if rank == 0 else {}
+    with torch.device("meta"):
+        model = make()
+else:
+    model = make().to(device)
 if distributed:
     for block in model[1:3]:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
+    if options.meta:
+        model.to_empty(device=device)
+        set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
 optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
 
 generator = torch.Generator().manual_seed(1)
