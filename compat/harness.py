@@ -710,9 +710,7 @@ def run_sweep_process(module_name, quick=False, only=None, progress=None, idle_t
     result = {"records": [], "ops": {}, "seconds": 0.0, "over_budget": [], "crashed": []}
     plan = None
     done = set()
-    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    environment = dict(os.environ)
-    environment["PYTHONPATH"] = repository + os.pathsep + environment.get("PYTHONPATH", "")
+    repository, environment = child_environment()
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         while True:
@@ -794,6 +792,15 @@ def run_sweep_process(module_name, quick=False, only=None, progress=None, idle_t
                     )
     result["seconds"] = time.perf_counter() - started
     return result
+
+
+def child_environment():
+    """(the repository's folder, the environment) a child process of a sweep runs with: the
+    repository importable as the `bridge` package."""
+    repository = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    environment = dict(os.environ)
+    environment["PYTHONPATH"] = repository + os.pathsep + environment.get("PYTHONPATH", "")
+    return repository, environment
 
 
 def run_sweep_parallel(module_name, names, workers=2, quick=False, progress=None):
@@ -883,3 +890,82 @@ def report_command(argv, description, module, report_name, sweep, report):
         handle.write(text)
     print(text)
     return 0
+
+
+# ---------------------------------------------------------------- the script corpus's models
+
+CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "scripts")
+
+
+@dataclasses.dataclass
+class CorpusModel:
+    """A module a corpus script calls, as it was at its first call: a copy of it and of the call's
+    inputs, its mode then, and whether the script went on to train it (gradients reached it)."""
+
+    script: str
+    name: str  # its class's name, numbered where the script calls several of one class
+    module: torch.nn.Module
+    args: tuple
+    kwargs: dict
+    training: bool
+    original: torch.nn.Module  # the script's own module, to read its gradients after the run
+
+    @property
+    def trained(self):
+        return any(parameter.grad is not None for parameter in self.original.parameters())
+
+
+def corpus_scripts():
+    return sorted(name[:-3] for name in os.listdir(CORPUS) if name.endswith(".py"))
+
+
+def corpus_models(script):
+    """Run compat/scripts/<script>.py with plain torch (in this process, its output discarded,
+    in a scratch folder) and return a CorpusModel for each module with parameters that the script
+    calls itself (a module called inside another is part of that one); DistributedDataParallel
+    stands for its module."""
+    import contextlib
+    import copy
+    import io
+    import runpy
+    import sys
+    import tempfile
+    from unittest import mock
+
+    calling = torch.nn.Module.__call__
+    models, seen, depth = [], set(), [0]
+
+    def recording(module, *args, **kwargs):
+        if depth[0] == 0 and id(module) not in seen:
+            seen.add(id(module))
+            inner = getattr(module, "module", module) if type(module).__name__ in ("DistributedDataParallel", "DataParallel") else module
+            if any(True for _ in inner.parameters()):
+                # (copied outside inference mode: a copy made inside it is an inference tensor,
+                # which torch.export cannot trace with)
+                with torch.inference_mode(False):
+                    detached = pytree.tree_map(lambda value: value.detach().clone() if isinstance(value, torch.Tensor) else value, (args, kwargs))
+                    count = sum(1 for model in models if type(model.module).__name__ == type(inner).__name__)
+                    name = type(inner).__name__ + (f" #{count + 1}" if count else "")
+                    models.append(CorpusModel(script, name, copy.deepcopy(inner), *copy.deepcopy(detached), inner.training, inner))
+        depth[0] += 1
+        try:
+            return calling(module, *args, **kwargs)
+        finally:
+            depth[0] -= 1
+
+    path = os.path.join(CORPUS, script + ".py")
+    saved_argv, saved_cwd, saved_dtype = sys.argv, os.getcwd(), torch.get_default_dtype()
+    with tempfile.TemporaryDirectory() as folder, mock.patch.object(torch.nn.Module, "__call__", recording):
+        sys.argv = [path]
+        os.chdir(folder)
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                runpy.run_path(path, run_name="__main__")
+        finally:
+            sys.argv = saved_argv
+            os.chdir(saved_cwd)
+            torch.set_default_dtype(saved_dtype)
+    for model in models:  # numbered names: the first of a class is "#1" once a second is seen
+        if any(other.name == model.name + " #2" for other in models):
+            model.name += " #1"
+    return models

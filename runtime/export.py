@@ -126,6 +126,7 @@ def _on_bridge_device(graph_module: torch.fx.GraphModule) -> torch.fx.GraphModul
             continue
         if arguments and isinstance(node.target, torch._ops.OpOverload):
             node.target = _made_by_table(node.target)
+            node.kwargs = {**node.kwargs, "device": "cpu"}  # (replaced; a string, as below)
             continue
         # (a string: torch 2.13's code generation names a torch.device it cannot find)
         node.kwargs = {**node.kwargs, "device": "cpu"}

@@ -260,7 +260,7 @@ def test_load_runs_a_dynamic_pt2_at_several_batch_sizes(tmp_path):
             torch.testing.assert_close(program(x).cpu(), model(x), rtol=RTOL, atol=ATOL)
 
 
-class Upsample(torch.nn.Module):
+class Pool(torch.nn.Module):
     def forward(self, x):
         return torch.nn.functional.max_pool2d(x, 2)
 
@@ -269,7 +269,7 @@ def test_an_op_that_needs_a_dynamic_size_as_a_number_says_which():
     """max_pool2d's entry numbers the elements of its input's plane (torch's indices): with
     symbolic spatial dimensions that is one clear error, naming the node, its op and the
     dimension, before anything runs."""
-    exported = torch.export.export(Upsample(), (torch.randn(2, 3, 8, 8),), dynamic_shapes=({2: torch.export.Dim("height", min=4, max=64)},))
+    exported = torch.export.export(Pool(), (torch.randn(2, 3, 8, 8),), dynamic_shapes=({2: torch.export.Dim("height", min=4, max=64)},))
     with bridge.active():
         function, state = export.to_jax(exported)
         (height,) = {str(size) for size in export.symbolic_input_types(exported)[0].shape if not isinstance(size, int)}
@@ -422,7 +422,19 @@ def test_moduleinfo_modules_through_export():
     compat/reports/exported.md): torch's outputs and written buffers, in both modes."""
     from bridge.compat import exported
 
-    results = exported.sweep(["nn.Linear", "nn.BatchNorm2d", "nn.LSTM", "nn.MultiheadAttention", "nn.Embedding"])
+    results = exported.sweep(["nn.Linear", "nn.BatchNorm2d", "nn.LSTM", "nn.MultiheadAttention", "nn.Embedding"])["moduleinfo"]
     assert {name for name, *_ in results} == {"nn.Linear", "nn.BatchNorm2d", "nn.LSTM", "nn.MultiheadAttention", "nn.Embedding"}
     failed = [result for result in results if result[2] != exported.PASSED]
     assert not failed, failed
+
+
+def test_corpus_models_through_export():
+    """compat/exported.py's corpus section on two scripts: each model the script calls, at its
+    first call, gives torch's outputs and (trained) torch's gradients through jax.grad; the
+    custom autograd.Function's gradient is the listed expected failure."""
+    from bridge.compat import exported
+
+    rows = exported.check_script("gan") + exported.check_script("custom_function")
+    assert [(script, model) for script, model, *_ in rows] == [("gan", "Sequential #1"), ("gan", "Sequential #2"), ("custom_function", "QuantisedMLP")]
+    assert [status for _, _, _, status, *_ in rows] == [exported.PASSED, exported.PASSED, exported.EXPECTED_FAILURE], rows
+    assert all(detail.startswith("gradients of") for *_, detail, _ in rows[:2])
