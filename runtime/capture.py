@@ -43,7 +43,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch.utils import _pytree as pytree
 
-from . import deferred, precision, random
+from . import deferred, precision, random, views
 from . import tensor as tensor_module
 from .callsite import _is_library
 from .config import KEEP_FOR_BACKWARD, settings
@@ -358,7 +358,7 @@ def _context_key():
 
 def _state_key(roots, owners):
     return tuple(
-        (id(root), id(owner), owner.requires_grad, root.dtype, tuple(root.shape), root._index)
+        (id(root), id(owner), owner.requires_grad, root.dtype, tuple(root.shape), root._index, tuple(owner._chain))
         for root, owner in zip(roots, owners)
     )
 
@@ -429,6 +429,7 @@ class Program:
     reach: list = None  # per float output, the positions among the differentiated values it depends on
     backward_ahead: bool = False  # compile the backward before the first split forward runs
     learned: list = None  # the values the region's code needed on the host, as its eager run gave them
+    owner_views: bool = False  # an owner is a view into its root (its gradient is cut from the root's)
 
     # What the trace learned, read through the record (Traced).
     out_spec = property(lambda self: self.traced.out_spec)
@@ -781,9 +782,23 @@ def _gradients_out(program, given, values, index):
     """Region gradients for torch: None for a differentiated value no output with a gradient
     reaches (torch leaves such a parameter's `.grad` None), a tensor for the others."""
     reached = frozenset().union(*(program.reach[position] for position in given)) if program.reach else None
+    values = _owner_gradients(program, values)
     return [
         BridgeTensor(value, index) if reached is None or k in reached else None for k, value in enumerate(values)
     ]
+
+
+def _owner_gradients(program, values):
+    """A differentiated root's gradient as its owner's: a parameter that is a view into its root
+    (FSDP2's unsharded parameters, views into the all-gather's buffer) gets the root's gradient
+    cut by its view chain (a selection of distinct elements: `_roots` checks)."""
+    if not program.owner_views:
+        return values
+    values = list(values)
+    for k, position in enumerate(program.diff_roots):
+        for step in program.owners[position]._chain:
+            values[k] = step(values[k])
+    return values
 
 
 def _uses(jaxpr, primitive):
@@ -1163,7 +1178,8 @@ class _RegionGradFunction(torch.autograd.Function):
                 d_inputs,
                 has_aux=True,
             )
-            return pullback(cotangents)
+            d_roots, d_inputs = pullback(cotangents)
+            return _owner_gradients(program, d_roots), d_inputs
 
         cotangents = [read_value(grad) for grad in tensors[:n_grads]]
         (d_roots, d_inputs), pullback = jax.vjp(gradients, diff_roots, diff_inputs, cotangents)
@@ -1411,16 +1427,22 @@ class Region:
         for tensor in tensors:
             if not isinstance(tensor, BridgeTensor):
                 raise GraphBreak("the module has a parameter or buffer that is not on the bridge device")
-            if tensor._chain and tensor.requires_grad:
-                raise GraphBreak("a parameter is a view into another tensor")
             root = root_of(tensor)
             position = seen.get(id(root))
+            if tensor._chain and tensor.requires_grad:
+                # Differentiated through its root: its gradient is the root's, cut by the view
+                # (distinct elements, the root owned by no other parameter).
+                if (position is not None and owners[position].requires_grad) or not views.selects_distinct(tensor):
+                    raise GraphBreak("a parameter is a view into another tensor (of overlapping elements, or "
+                                     "into one that another parameter views too)")
             if position is None:
                 seen[id(root)] = len(roots)
                 roots.append(root)
                 owners.append(tensor)
             elif tensor.requires_grad and not owners[position].requires_grad:
                 owners[position] = tensor
+            elif tensor.requires_grad and owners[position]._chain:
+                raise GraphBreak("a parameter is a view into another tensor that another parameter views too")
         self.owners = owners
         return roots
 
@@ -1474,6 +1496,7 @@ class Region:
         indices = [tensor._index for tensor in inputs]
         index = indices[0] if indices else (roots[0]._index if roots else 0)
         program = Program(roots, list(self.owners), spec, statics, tensor_positions, indices, grad, index=index)
+        program.owner_views = any(owner._chain and owner.requires_grad for owner in program.owners)
         if grad:
             program.diff_roots = [
                 i for i, owner in enumerate(program.owners) if owner.requires_grad and _is_float(owner.dtype)

@@ -52,6 +52,18 @@ class ViewStep:
         return f"ViewStep({self.op}, {self.args}, {self.kwargs}, {self.output})"
 
 
+def selects_distinct(tensor) -> bool:
+    """Whether a view's elements are distinct elements of its root (no broadcast repeats one),
+    so that the view's gradient is its root's gradient cut by the same view."""
+    root = tensor._root
+    if root is None or not tensor._chain:
+        return True
+    if root.dtype.is_complex or any(step.op in _DTYPE_VIEWS for step in tensor._chain):
+        return False
+    positions = _index_map(tuple(root.shape), False, tuple(tensor._chain))
+    return positions is None or len(np.unique(positions)) == positions.size
+
+
 @functools.lru_cache(maxsize=4096)
 def _index_map(shape, complex_root, chain):
     """Where each element of the view sits in the root: flat positions (None when the view is

@@ -1229,3 +1229,36 @@ def test_a_module_converted_to_what_it_is_in_its_forward_stays_captured(captured
     # A conversion that changes something still swaps the parameter, keeping its identity.
     model.double()
     assert model.classifier.weight is weight and weight.dtype == torch.float64
+
+
+class _ViewsOfOneBuffer(torch.nn.Module):
+    """Parameters that are views into a buffer of their own each, as FSDP2's unsharded parameters
+    are into its all-gather output (padded: the buffer is longer than the parameter)."""
+
+    def __init__(self, device):
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight_buffer = torch.randn(40).to(device)
+        self.bias_buffer = torch.randn(3, 2).to(device)
+        self.weight = torch.nn.Parameter(torch.as_strided(self.weight_buffer, (6, 4), (4, 1), 0))
+        self.bias = torch.nn.Parameter(self.bias_buffer[:, 1])  # every other element: a strided view
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight + self.bias.sum()).square().mean()
+
+
+def test_parameters_that_are_views_into_a_buffer_stay_captured_with_torchs_gradients(captured):
+    """Each such parameter's gradient is its buffer's cut by its view; the buffer's later
+    contents (FSDP refills it before each forward) are read by the next call."""
+    reference, model = _ViewsOfOneBuffer("cpu"), _ViewsOfOneBuffer("cuda")
+    x = torch.randn(5, 6)
+    for step in range(3):
+        for module, inputs in ((reference, x), (model, x.cuda())):
+            module.zero_grad()
+            module(inputs).backward()
+            with torch.no_grad():
+                module.weight_buffer.mul_(0.5)  # the views see it, as FSDP's next all-gather
+        torch.testing.assert_close(model.weight.grad.cpu(), reference.weight.grad)
+        torch.testing.assert_close(model.bias.grad.cpu(), reference.bias.grad)
+    assert not capture.breaks, capture.breaks
+    assert len(_regions("_ViewsOfOneBuffer")) == 1
