@@ -253,7 +253,7 @@ def report(results, command):
         lines.append("")
     if corpus:
         counts = _counts(corpus, 3)
-        exported = counts.get(PASSED, 0) + counts.get(FAILED, 0)
+        exported = len(corpus) - counts.get(NOT_EXPORTED, 0) - counts.get(NO_SAMPLE, 0)
         trained = sum(1 for row in corpus if row[3] == PASSED and row[4].startswith("gradients"))
         lines += [
             "## The script corpus (compat/scripts)",
@@ -265,7 +265,10 @@ def report(results, command):
             "",
             f"Of {len(corpus)} models in {len({row[0] for row in corpus})} scripts, torch.export accepted {exported}; "
             f"{counts.get(PASSED, 0)} pass ({trained} with their gradients), {counts.get(FAILED, 0)} fail, "
-            f"{counts.get(NOT_EXPORTED, 0)} torch.export refused.",
+            f"{counts.get(EXPECTED_FAILURE, 0)} fail as listed with the reason, {counts.get(UNEXPECTED_PASS, 0)} listed "
+            f"ones pass; {counts.get(NOT_EXPORTED, 0)} torch.export refused, {counts.get(NO_SAMPLE, 0)} scripts failed "
+            "with plain torch. Models run in the dtype of their parameters (gpt_amp's GPT in float32: the script's "
+            "autocast is not part of the module).",
             "",
             "| script | model | mode | status | detail |",
             "|---|---|---|---|---|",
