@@ -873,8 +873,9 @@ def problems(records):
 
 
 def report_command(argv, description, module, report_name, sweep, report):
-    """The command line of a ModuleInfo sweep (compat/exported.py, compat/torchscript.py):
-    `--only` names modules, `--out` the folder; writes and prints the report."""
+    """The command line of a sweep's report (compat/exported.py, compat/torchscript.py):
+    `--only` names its entries (modules, corpus scripts), `--out` the folder; writes and prints
+    the report."""
     import argparse
 
     parser = argparse.ArgumentParser(description=description)
