@@ -225,7 +225,8 @@ class _EveryOutput:
     """An exported program as runtime/export.py's `to_jax` reads it, with every graph output a
     user output: after `run_decompositions()` a program returns what it writes (BatchNorm's
     running statistics, an input it adds to) as outputs of kinds BUFFER_MUTATION and
-    USER_INPUT_MUTATION, which `to_jax` leaves out; the route writes them back itself."""
+    USER_INPUT_MUTATION, which `to_jax` puts in its new state and inputs; this route wants them
+    among the outputs `from_jax` hands back, and writes them back itself."""
 
     def __init__(self, exported):
         user = types.SimpleNamespace(kind=types.SimpleNamespace(name="USER_OUTPUT"))

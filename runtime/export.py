@@ -51,23 +51,36 @@ class Signature:
     in_spec: Any  # pytree spec of (args, kwargs) as the program was exported with
     out_spec: Any  # pytree spec of its user outputs
     user_outputs: tuple  # positions of user outputs among the graph's outputs
+    # Writes a functional graph returns (a decomposed program's BatchNorm statistics): per output
+    # position, ("state", name) or ("input", position among user inputs)
+    mutations: tuple = ()
 
 
 def _signature(exported: torch.export.ExportedProgram) -> Signature:
-    placeholders, user = [], 0
+    placeholders, user, user_inputs = [], 0, {}
     for spec in exported.graph_signature.input_specs:
         kind = spec.kind.name
         if kind in _STATE_KINDS:
             placeholders.append(("state", spec.target))
         elif kind == "USER_INPUT":
             placeholders.append(("input", user))
+            user_inputs[getattr(spec.arg, "name", None)] = user
             user += 1
         else:
             raise NotImplementedError(f"torch.export input of kind {kind} ({spec.arg}) is not supported yet")
-    outputs = tuple(
-        position for position, spec in enumerate(exported.graph_signature.output_specs) if spec.kind.name == "USER_OUTPUT"
-    )
-    return Signature(tuple(placeholders), exported.call_spec.in_spec, exported.call_spec.out_spec, outputs)
+    outputs, mutations = [], []
+    for position, spec in enumerate(exported.graph_signature.output_specs):
+        kind = spec.kind.name
+        if kind == "USER_OUTPUT":
+            outputs.append(position)
+        elif kind == "BUFFER_MUTATION":
+            mutations.append((position, ("state", spec.target)))
+        elif kind == "USER_INPUT_MUTATION":
+            mutations.append((position, ("input", user_inputs[spec.target])))
+        else:
+            raise NotImplementedError(f"torch.export output of kind {kind} ({spec.arg}) is not supported yet")
+    return Signature(tuple(placeholders), exported.call_spec.in_spec, exported.call_spec.out_spec, tuple(outputs),
+                     tuple(mutations))
 
 
 def initial_state(exported: torch.export.ExportedProgram) -> dict:
@@ -360,10 +373,11 @@ def to_jax(exported: torch.export.ExportedProgram) -> tuple[Callable, dict]:
                 tensors.append(BridgeTensor(value, 0) if isinstance(value, jax.Array) else value)
             given = [tensor._value if isinstance(tensor, BridgeTensor) else None for tensor in tensors]
             outputs = _run_graph(graph, tensors, sizes)
+        returned = [(place, _output_value(outputs[position], sizes)) for position, place in signature.mutations]
         outputs = [outputs[position] for position in signature.user_outputs]
         arrays = [_output_value(out, sizes) for out in outputs]
         new_state, new_inputs = dict(state), [None] * len(flat)
-        for (source, which), value in zip(signature.placeholders, written(tensors, given)):
+        for (source, which), value in list(zip(signature.placeholders, written(tensors, given))) + returned:
             if value is None:
                 continue
             if source == "state":

@@ -51,10 +51,16 @@ def _close(actual, expected):
     np.testing.assert_allclose(np.asarray(actual), expected.detach().numpy(), rtol=RTOL, atol=ATOL)
 
 
-def test_training_program_returns_what_it_writes():
+@pytest.mark.parametrize("decomposed", [False, True], ids=["as exported", "decomposed"])
+def test_training_program_returns_what_it_writes(decomposed):
     """BatchNorm's running statistics and the input the graph adds to come back (a translator
-    that returns only the user outputs drops them)."""
+    that returns only the user outputs drops them), also from a decomposed (functional) program,
+    which returns them as outputs of their own."""
     net, exported, x, y = _exported()
+    if decomposed:
+        exported = exported.run_decompositions()
+        assert {spec.kind.name for spec in exported.graph_signature.output_specs} >= {"BUFFER_MUTATION",
+                                                                                      "USER_INPUT_MUTATION"}
     with bridge.active():
         function, state = export.to_jax(exported)
         out, new_state, new_inputs = jax.jit(function)(state, _array(x), _array(y))
