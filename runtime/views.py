@@ -60,8 +60,46 @@ def selects_distinct(tensor) -> bool:
         return True
     if root.dtype.is_complex or any(step.op in _DTYPE_VIEWS for step in tensor._chain):
         return False
-    positions = _index_map(tuple(root.shape), False, tuple(tensor._chain))
-    return positions is None or len(np.unique(positions)) == positions.size
+    found = layout(tuple(root.shape), tuple(tensor._chain))
+    if found is None:
+        positions = _index_map(tuple(root.shape), False, tuple(tensor._chain))
+        return positions is None or len(np.unique(positions)) == positions.size
+    _, shape, strides = found
+    # torch's test of a layout whose elements do not overlap: by stride, each dimension steps past
+    # all the elements the smaller ones span.
+    spanned = 0
+    for size, stride in sorted((pair for pair in zip(shape, strides) if pair[0] > 1), key=lambda pair: pair[1]):
+        if stride <= spanned:
+            return False
+        spanned += (size - 1) * stride
+    return True
+
+
+@functools.lru_cache(maxsize=4096)
+def layout(root_shape, chain):
+    """A view of a contiguous real root as torch lays it out: (storage offset, sizes, strides) in
+    the root's elements, found by replaying the chain's ops on a meta tensor (nothing the size of
+    the root is made: FSDP's buffers hold billions of elements); None where a step does not
+    replay so (a dtype or complex view, an op without a meta kernel)."""
+    if any(step.op in _DTYPE_VIEWS or step.op in _COMPLEX_VIEWS for step in chain):
+        return None
+    try:
+        value = torch.empty(root_shape, device="meta")
+        for step in chain:
+            value = step.op(value, *step.args, **dict(step.kwargs))
+            if step.output is not None:
+                value = value[step.output]
+        return value.storage_offset(), tuple(value.shape), tuple(value.stride())
+    except Exception:
+        return None
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -105,6 +143,9 @@ def first_position(root_shape, complex_root, chain):
         if step.op in _DTYPE_VIEWS:
             chain = chain[:cut]
             break
+    found = None if complex_root else layout(tuple(root_shape), tuple(chain))
+    if found is not None:
+        return found[0] if int(np.prod(found[1], dtype=np.int64)) else 0
     positions = _index_map(tuple(root_shape), complex_root, tuple(chain))
     if positions is None or positions.size == 0:
         return 0
@@ -117,6 +158,26 @@ _DTYPE_VIEWS = frozenset({torch.ops.aten.view.dtype, torch.ops.aten.view_copy.dt
 _COMPLEX_VIEWS = frozenset({torch.ops.aten.view_as_complex.default, torch.ops.aten.view_as_complex_copy.default})
 
 
+def _write_strided(root_value, found, value):
+    """`value` written into the view laid out as `found` (layout's) in a real root: a whole root
+    reshaped, a contiguous block updated in place of a slice, else a scatter to the view's
+    positions (computed for the view's elements only)."""
+    offset, shape, strides = found
+    value = jnp.ravel(value.astype(root_value.dtype) if value.dtype != root_value.dtype else value)
+    count = int(np.prod(shape, dtype=np.int64))
+    dense = all(stride == expected for size, stride, expected in zip(shape, strides, _contiguous_strides(shape)) if size > 1)
+    if dense and offset == 0 and count == root_value.size:
+        return jnp.reshape(value, root_value.shape)
+    flat = jnp.ravel(root_value)
+    if dense:
+        return lax.dynamic_update_slice(flat, value, (offset,)).reshape(root_value.shape)
+    positions = np.full(shape, offset, dtype=np.int64)
+    for dimension, (size, stride) in enumerate(zip(shape, strides)):
+        steps = np.arange(size, dtype=np.int64) * stride
+        positions = positions + steps.reshape((1,) * dimension + (size,) + (1,) * (len(shape) - dimension - 1))
+    return flat.at[positions.reshape(-1)].set(value).reshape(root_value.shape)
+
+
 def _by_components(complex_root, chain):
     """Whether positions address real components (a complex root, or a chain that makes one)."""
     return complex_root or any(step.op in _COMPLEX_VIEWS for step in chain)
@@ -125,6 +186,9 @@ def _by_components(complex_root, chain):
 def scatter_into_root(root_value, chain, value):
     """The root's new value after `value` is written into the view that `chain` makes of it."""
     complex_root = jnp.iscomplexobj(root_value)
+    found = None if complex_root else layout(tuple(root_value.shape), tuple(chain))
+    if found is not None:
+        return _write_strided(root_value, found, value)
     positions = _index_map(tuple(root_value.shape), complex_root, chain)
     if not _by_components(complex_root, chain):
         if value.dtype != root_value.dtype:

@@ -30,6 +30,19 @@ def test_inplace_through_select_updates_base(bridged):
     _same(cpu, gpu)
 
 
+def test_writes_into_blocks_and_strided_views_of_a_flat_buffer(bridged):
+    """As FSDP writes its all-gather and reduce-scatter buffers: a block at an offset
+    (as_strided, narrow, a split's piece), a transposed block and a stepped slice; each lands
+    where torch puts it."""
+    cpu, gpu = _pair(torch.zeros(60))
+    for flat in (cpu, gpu):
+        torch.as_strided(flat, (2, 3), (3, 1), 4).copy_(torch.arange(6.0).reshape(2, 3).to(flat.device))
+        flat.narrow(0, 12, 6).view(3, 2).t().mul_(0).add_(torch.arange(6.0).reshape(2, 3).to(flat.device) + 10)
+        flat.view(6, 10)[2:4, ::3].fill_(-1.0)
+        torch.split(flat[40:], [7, 13])[1].copy_(torch.arange(13.0).to(flat.device))
+    _same(cpu, gpu)
+
+
 def test_inplace_through_chain_of_views(bridged):
     cpu, gpu = _pair(torch.arange(24.0).reshape(2, 3, 4))
     for x in (cpu, gpu):
