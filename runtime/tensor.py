@@ -282,7 +282,29 @@ class BridgeStorage(torch.UntypedStorage):
 
     def nbytes(self):
         root = self._bridge_root
-        return root.numel() * root.element_size()
+        return 0 if root.__dict__.get("_freed") else root.numel() * root.element_size()
+
+    def resize_(self, size):
+        """Free the root's data (size 0) or give it back fresh memory of its own size, as FSDP
+        frees each block's gathered parameters between uses (`storage.resize_(0)`, then back to
+        its size before the next all-gather writes it): without it every block's would stay."""
+        root = self._bridge_root
+        whole = root.numel() * root.element_size()
+        if size == 0:
+            settle(root)
+            root._value = jnp.zeros((0,), TORCH_TO_JAX[root.dtype], device=devices.jax_device(root._index))
+            root._freed = True
+        elif size == whole:
+            if root.__dict__.get("_freed"):
+                root._value = jnp.zeros(tuple(root.shape), TORCH_TO_JAX[root.dtype], device=devices.jax_device(root._index))
+                root._freed = False
+        else:
+            raise NotImplementedError(
+                f"resizing a bridge tensor's storage to {size} bytes: only to 0 (freeing it) and back to its "
+                f"tensor's {whole} bytes are supported"
+            )
+        root._generation += 1
+        return self
 
     def size(self):
         return self.nbytes()

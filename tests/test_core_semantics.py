@@ -43,6 +43,23 @@ def test_writes_into_blocks_and_strided_views_of_a_flat_buffer(bridged):
     _same(cpu, gpu)
 
 
+def test_storage_freed_and_given_back_as_fsdp_does(bridged):
+    """FSDP frees each block's gathered parameters with `untyped_storage().resize_(0)` and gives
+    the memory back before the next all-gather writes through a view: the data goes, the size
+    reads 0, and the written values come back."""
+    from bridge.runtime.tensor import root_of
+
+    x = torch.arange(6.0).cuda()
+    view = x.view(2, 3)
+    x.untyped_storage().resize_(0)
+    assert x.untyped_storage().size() == 0 and root_of(x)._value.size == 0
+    x.untyped_storage().resize_(6 * x.element_size())
+    view.copy_(torch.ones(2, 3))
+    assert x.untyped_storage().size() == 24 and x.cpu().tolist() == [1.0] * 6
+    with pytest.raises(NotImplementedError, match="only to 0"):
+        x.untyped_storage().resize_(8)
+
+
 def test_inplace_through_chain_of_views(bridged):
     cpu, gpu = _pair(torch.arange(24.0).reshape(2, 3, 4))
     for x in (cpu, gpu):
