@@ -62,7 +62,6 @@ def dispatch(func, args, kwargs):
     if found is None or found[0] is not func:
         found = _tallies[id(func)] = (func, stats.tally(func))
     tally = found[1]
-    tally.calls += 1
     start = perf_counter()
     try:
         if settings.tracing_for_grad and settings.tracing:
@@ -75,6 +74,9 @@ def dispatch(func, args, kwargs):
                 out = plan(args, kwargs)
         else:
             out = plan(args, kwargs)
+        # Counted once it ran: a call that raised (a trace that must run eagerly first, a break)
+        # ran on no rung, and the report must not say it took one.
+        tally.calls += 1
         return out
     finally:
         # Host time, including nested ops of a decomposition (JAX runs asynchronously); in a

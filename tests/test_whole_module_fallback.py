@@ -116,6 +116,7 @@ def test_module_runs_whole_trains_like_torch(hardswish_unmapped, bridged, mode):
             # the first trace met the op, the call ran eagerly (exporting Block), and the next
             # trace took Block's program into Net's: the op never ran on the host
             assert stats.fallback_calls[HARDSWISH] == 0 and record.traced >= 1
+            assert stats.summary()["by_rung"][stats.CPU_FALLBACK] == 0  # nor does the report say it did
             assert capture.breaks == []
             assert "Net (train)" in {compiled.region for compiled in capture.compiles}
         text = report.summary_text()
