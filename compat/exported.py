@@ -205,23 +205,11 @@ def check_script(script):
     return rows
 
 
-def _check_script_in_child(script, timeout=600):
-    """check_script in a process of its own: the script's DataLoader workers fork before JAX
-    starts there, and what the script sets for the process (seeds, a process group) ends with it."""
-    import json
-    import subprocess
-
-    repository, environment = harness.child_environment()
-    command = [sys.executable, "-m", "bridge.compat.exported", "--corpus-script", script]
+def _check_script_in_child(script):
     try:
-        child = subprocess.run(command, capture_output=True, text=True, cwd=repository, env=environment, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return [(script, "-", "-", FAILED, f"no result within {timeout} s", float(timeout))]
-    lines = [line for line in child.stdout.splitlines() if line.startswith("[")]
-    if child.returncode != 0 or not lines:
-        tail = " ".join(child.stderr.strip().splitlines()[-1:])
-        return [(script, "-", "-", FAILED, f"the check's process exited with code {child.returncode}: {tail}"[:300], 0.0)]
-    return [tuple(row) for row in json.loads(lines[-1])]
+        return harness.corpus_rows_in_child("exported", script)
+    except harness.CorpusChildError as error:
+        return [(script, "-", "-", FAILED, str(error), error.seconds)]
 
 
 def report(results, command):

@@ -970,3 +970,33 @@ def corpus_models(script):
         if any(other.name == model.name + " #2" for other in models):
             model.name += " #1"
     return models
+
+
+class CorpusChildError(Exception):
+    """A corpus script's check that gave no result in its process: why, and the seconds it took."""
+
+    def __init__(self, reason, seconds):
+        super().__init__(reason)
+        self.seconds = seconds
+
+
+def corpus_rows_in_child(module, script, timeout=600):
+    """The rows `python -m bridge.compat.<module> --corpus-script <script>` prints (its last line,
+    JSON), run in a process of its own: the script's DataLoader workers fork before JAX starts
+    there, and what the script sets for the process (seeds, a process group) ends with it.
+    Raises CorpusChildError where the process gives no rows."""
+    import json
+    import subprocess
+    import sys
+
+    repository, environment = child_environment()
+    command = [sys.executable, "-m", f"bridge.compat.{module}", "--corpus-script", script]
+    try:
+        child = subprocess.run(command, capture_output=True, text=True, cwd=repository, env=environment, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise CorpusChildError(f"no result within {timeout} s", float(timeout)) from None
+    lines = [line for line in child.stdout.splitlines() if line.startswith("[")]
+    if child.returncode != 0 or not lines:
+        tail = " ".join(child.stderr.strip().splitlines()[-1:])
+        raise CorpusChildError(f"the check's process exited with code {child.returncode}: {tail}"[:300], 0.0)
+    return [tuple(row) for row in json.loads(lines[-1])]

@@ -1,6 +1,8 @@
-"""The ONNX backend conformance suite's node tests through the bridge's ONNX table.
+"""The ONNX backend conformance suite's node tests, and the script corpus's models exported with
+torch.onnx.export, through the bridge's ONNX table.
 
     python -m bridge.compat.onnx_conformance [--only REGEX] [--out compat/reports]
+    python -m bridge.compat.onnx_conformance --corpus [--out compat/reports]
 
 The cases come from the onnx package's own generators (onnx.backend.test.case.node: each a
 one-node model, or that node expanded into its function's ops, with inputs and the reference
@@ -10,13 +12,21 @@ numeric inputs traced. A case whose graph needs an input's value while it is tra
 to a shape given as an input, NonZero) runs again with its inputs known while tracing, and is
 counted apart. Outputs are compared as the suite's runner compares them: same shape and dtype,
 rtol=1e-3 and atol=1e-7 (its defaults; two bfloat16 ULPs for bfloat16), strings equal. Cases of
-ops that draw random numbers are compared by shape and dtype. Writes <out>/onnx.md.
+ops that draw random numbers are compared by shape and dtype. Writes <out>/onnx.md, keeping its
+corpus section.
+
+With --corpus, each model a compat/scripts program calls (compat/harness.py's corpus_models) is
+exported in eval mode with torch.onnx.export as tests/test_onnx.py exports (the TorchScript
+exporter at opset 17; the dynamo exporter where that one refuses), its ops listed as `bridge check`
+lists them, run by `bridge.load` and compared with eager torch by tests/test_onnx.py's rule; only
+the corpus section of <out>/onnx.md is rewritten.
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import logging
 import os
 import re
 import sys
@@ -25,6 +35,8 @@ import traceback
 import warnings
 
 import numpy as np
+import torch
+from torch.utils import _pytree as pytree
 
 PASSED, PASSED_KNOWN, FAILED, UNSUPPORTED = "passed", "passed, inputs known", "failed", "no mapping"
 
@@ -219,9 +231,7 @@ def run(only=None, out=None, echo=print):
             echo(f"[{number + 1}/{len(cases)}] {case.name}: {status} {detail}")
     elapsed = time.time() - start
     if out:
-        os.makedirs(out, exist_ok=True)
-        with open(os.path.join(out, "onnx.md"), "w") as report:
-            report.write(render(results, elapsed))
+        write_report(out, node_part=render(results, elapsed))
     return results
 
 
@@ -274,9 +284,170 @@ def render(results, elapsed):
     return "\n".join(lines) + "\n"
 
 
+# ------------------------------------------------- the script corpus through torch.onnx.export
+
+# An exported model's outputs against eager torch's: rtol 1e-5, and atol 1e-6 of the largest
+# output's magnitude (at least 1), as tests/test_hf_models.py's logits (float32 sums in another
+# order); same dtype and shape, integers equal.
+RTOL, ATOL = 1e-5, 1e-6
+CORPUS_HEADING = "## The script corpus's models through torch.onnx.export"
+NOT_EXPORTED = "torch.onnx.export refuses it"
+
+
+def export_onnx(model, args, path, dynamo=False, **options):
+    """The model in eval mode to an .onnx file at path: the TorchScript exporter at opset 17 (the
+    same graphs under torch 2.13 and 2.14, in a fraction of a second), or torch's default, the
+    dynamo exporter."""
+    model.eval()
+    if dynamo:
+        torch.onnx.export(model, args, str(path), dynamo=True, verbose=False, **options)
+    else:
+        torch.onnx.export(model, args, str(path), dynamo=False, opset_version=17, **options)
+    return str(path)
+
+
+def compare_outputs(actual, expected):
+    """The largest absolute difference of the bridge's outputs from eager torch's (the tensors of
+    `expected`, in order); AssertionError where one is outside RTOL and ATOL."""
+    actual = actual if isinstance(actual, (tuple, list)) else (actual,)
+    expected = [value for value in pytree.tree_leaves(expected) if isinstance(value, torch.Tensor)]
+    assert len(actual) == len(expected), f"{len(actual)} outputs where torch gives {len(expected)}"
+    worst = 0.0
+    for got, want in zip(actual, expected):
+        got = got.cpu()
+        assert got.dtype == want.dtype and got.shape == want.shape, f"{got.dtype} {tuple(got.shape)} where torch gives {want.dtype} {tuple(want.shape)}"
+        if not want.is_floating_point():
+            torch.testing.assert_close(got, want)
+            continue
+        scale = max(want.abs().max().item(), 1.0)
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL * scale)
+        worst = max(worst, (got - want).abs().max().item())
+    return worst
+
+
+def check_exported_model(module, args, kwargs, path):
+    """(exporter, status, ops with no mapping, largest difference, detail) of a module exported
+    to path in eval mode, run by bridge.load on the same inputs and compared with eager torch."""
+    import copy
+
+    import bridge
+    from bridge.runtime import onnx_graph
+
+    with torch.no_grad():
+        expected = copy.deepcopy(module).eval()(*copy.deepcopy(args), **copy.deepcopy(kwargs))
+    refusals = []
+    for exporter in ("TorchScript", "dynamo"):
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                export_onnx(copy.deepcopy(module), tuple(args), path, dynamo=exporter == "dynamo", kwargs=dict(kwargs) or None)
+            break
+        except Exception as error:  # noqa: BLE001 - recorded: the bridge never sees the model
+            refusals.append(f"{exporter}: {_reason(error)}")
+    else:
+        return "-", NOT_EXPORTED, "", None, "; ".join(refusals)
+    detail = f"the TorchScript exporter refuses it ({refusals[0]})" if refusals else ""
+    missing = onnx_graph.unmapped_nodes(onnx_graph.read_model(path), onnx_graph.ONNX_OPS).get("no mapping", {})
+    if missing:
+        return exporter, UNSUPPORTED, ", ".join(sorted(missing)), None, detail
+    inputs = [value for value in pytree.tree_leaves((tuple(args), dict(kwargs))) if isinstance(value, torch.Tensor)]
+    try:
+        with bridge.active():
+            worst = compare_outputs(bridge.load(path)(*inputs), expected)
+    except Exception as error:  # noqa: BLE001 - recorded per model
+        summary = [line.strip() for line in str(error).splitlines() if "difference" in line or "Mismatched" in line]
+        reason = "; ".join(summary) if isinstance(error, AssertionError) and summary else _reason(error)
+        return exporter, FAILED, "", None, "; ".join(part for part in (reason, detail) if part)
+    return exporter, PASSED, "", worst, detail
+
+
+def check_corpus_script(script):
+    """[(script, model, mode, exporter, status, ops with no mapping, largest difference, detail)]
+    for each model compat/scripts/<script>.py calls (its mode in the script; exported in eval mode)."""
+    import tempfile
+
+    from bridge.op_mappings import onnx_ops  # noqa: F401  (the table's registrations)
+
+    from . import harness
+
+    try:
+        models = harness.corpus_models(script)
+    except Exception as error:  # noqa: BLE001 - the script itself failed under plain torch: recorded
+        return [(script, "-", "-", "-", FAILED, "", None, f"the script fails with plain torch: {harness.first_line(error)}")]
+    rows = []
+    logging.disable(logging.WARNING)  # the exporters log at length
+    with tempfile.TemporaryDirectory() as folder:
+        for number, model in enumerate(models):
+            path = os.path.join(folder, f"{number}.onnx")
+            mode = "train" if model.training else "eval"
+            rows.append((script, model.name, mode, *check_exported_model(model.module, model.args, model.kwargs, path)))
+    return rows
+
+
+def run_corpus(out=None, echo=print):
+    """check_corpus_script over the corpus, each script in a process of its own; writes the
+    corpus section of <out>/onnx.md."""
+    from . import harness
+
+    rows = []
+    for script in harness.corpus_scripts():
+        try:
+            rows.extend(harness.corpus_rows_in_child("onnx_conformance", script))
+        except harness.CorpusChildError as error:
+            rows.append((script, "-", "-", "-", FAILED, "", None, str(error)))
+        if echo:
+            echo(f"{script}: " + ", ".join(f"{row[1]} {row[4]}" for row in rows if row[0] == script))
+    if out:
+        write_report(out, corpus_part=render_corpus(rows))
+    return rows
+
+
+def render_corpus(rows):
+    counts = collections.Counter(row[4] for row in rows)
+    exported = sum(1 for row in rows if row[3] != "-")
+    unmapped = sorted({op for row in rows for op in row[5].split(", ") if op})
+    lines = [
+        CORPUS_HEADING,
+        "",
+        f"Command: `python -m bridge.compat.onnx_conformance --corpus`; torch {torch.__version__}. Rewrites this "
+        "section only.",
+        "",
+        "Each module a compat/scripts program calls itself (compat/harness.py's corpus_models: as it was at its "
+        "first call, with that call's inputs), exported in eval mode with torch.onnx.export as tests/test_onnx.py "
+        "exports (the TorchScript exporter at opset 17; the dynamo exporter where that one refuses), its ops looked "
+        "up as `python -m bridge check` looks them up, run by `bridge.load` and compared with eager torch in eval "
+        "mode: same dtype and shape, rtol 1e-5 and atol 1e-6 of the largest output's magnitude.",
+        "",
+        f"**Of {len(rows)} models in {len({row[0] for row in rows})} scripts, torch.onnx.export exported {exported}; "
+        f"{counts[PASSED]} pass, {counts[FAILED]} fail, {counts[UNSUPPORTED]} have ops with no mapping"
+        f"{' (' + ', '.join(unmapped) + ')' if unmapped else ''}; {counts[NOT_EXPORTED]} the exporters refuse.**",
+        "",
+        "| script | model | mode in the script | exporter | status | ops with no mapping | largest difference | detail |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for script, name, mode, exporter, status, missing, worst, detail in rows:
+        difference = "-" if worst is None else f"{worst:.1e}"
+        lines.append(f"| {script} | {name} | {mode} | {exporter} | {status} | {missing or '-'} | {difference} | {detail.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_report(out, node_part=None, corpus_part=None):
+    """<out>/onnx.md from its two parts, each kept from the file where not given."""
+    path = os.path.join(out, "onnx.md")
+    existing = open(path).read() if os.path.exists(path) else ""
+    kept_node, _, kept_corpus = existing.partition(CORPUS_HEADING)
+    node_part = node_part if node_part is not None else kept_node.rstrip("\n") + "\n"
+    corpus_part = corpus_part if corpus_part is not None else (CORPUS_HEADING + kept_corpus if kept_corpus else "")
+    os.makedirs(out, exist_ok=True)
+    with open(path, "w") as report:
+        report.write(node_part + ("\n" + corpus_part if corpus_part else ""))
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bridge.compat.onnx_conformance", description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="a regular expression: run the cases whose names match")
+    parser.add_argument("--corpus", action="store_true", help="the script corpus's models instead: rewrites onnx.md's corpus section")
+    parser.add_argument("--corpus-script", help=argparse.SUPPRESS)  # (the child process of one corpus script)
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "reports"), help="where onnx.md goes")
     arguments = parser.parse_args(argv)
     try:
@@ -284,6 +455,16 @@ def main(argv=None):
     except ImportError:
         print("the conformance sweep needs the onnx package: pip install 'bridge[onnx]'", file=sys.stderr)
         return 2
+    if arguments.corpus_script:
+        import json
+
+        print(json.dumps(check_corpus_script(arguments.corpus_script)))
+        return 0
+    if arguments.corpus:
+        rows = run_corpus(arguments.out)
+        passed = sum(1 for row in rows if row[4] == PASSED)
+        print(f"{passed} of {len(rows)} corpus models pass through torch.onnx.export and bridge.load")
+        return 0
     results = run(arguments.only, None if arguments.only else arguments.out)
     passed = sum(1 for row in results if row[3] in (PASSED, PASSED_KNOWN))
     print(f"{passed} of {len(results)} ONNX node cases pass")

@@ -467,8 +467,10 @@ _ACTIVATIONS = {
 }
 
 
-def _recurrent(cell, x, w, r, b, initial_states, direction, layout, hidden_size, gates, clip):
-    """Run `cell` over the sequence in each direction; returns Y and each final state."""
+def _recurrent(cell, x, w, r, b, initial_states, direction, layout, hidden_size, gates, clip, sequence_lens=None):
+    """Run `cell` over the sequence in each direction; returns Y and each final state. With
+    `sequence_lens`, a batch entry's steps past its length leave its states as they are and give
+    zeros in Y (a packed sequence's padding), so the reverse direction starts at its last step."""
     if layout == 1:  # batch first
         x = jnp.swapaxes(x, 0, 1)
         initial_states = [None if state is None else jnp.swapaxes(state, 0, 1) for state in initial_states]
@@ -482,11 +484,16 @@ def _recurrent(cell, x, w, r, b, initial_states, direction, layout, hidden_size,
             jnp.zeros((batch, hidden_size), x.dtype) if state is None else state[index] for state in initial_states
         )
 
-        def step(carry, x_t, index=index, bias=bias):
-            carry = cell(x_t, carry, w[index], r[index], bias, index, clip)
-            return carry, carry[0]
+        def step(carry, inputs, index=index, bias=bias):
+            x_t, time = inputs
+            updated = cell(x_t, carry, w[index], r[index], bias, index, clip)
+            if sequence_lens is None:
+                return updated, updated[0]
+            active = (time < sequence_lens)[:, None]
+            updated = tuple(jnp.where(active, new, old) for new, old in zip(updated, carry))
+            return updated, jnp.where(active, updated[0], jnp.zeros_like(updated[0]))
 
-        carry, ys = lax.scan(step, states, x, reverse=reverse)
+        carry, ys = lax.scan(step, states, (x, jnp.arange(x.shape[0])), reverse=reverse)
         outputs.append(ys)
         for position, state in enumerate(carry):
             finals[position].append(state)
@@ -524,7 +531,7 @@ def rnn(x, w, r, b=None, sequence_lens=None, initial_h=None, *, activation_alpha
             pre = pre + bias[:hidden_size] + bias[hidden_size:]
         return (functions[index][0](_clip(pre, clip)),)
 
-    return _recurrent(cell, x, w, r, b, [initial_h], direction, layout, hidden_size, 1, clip)
+    return _recurrent(cell, x, w, r, b, [initial_h], direction, layout, hidden_size, 1, clip, sequence_lens)
 
 
 @register_onnx_op("GRU")
@@ -549,7 +556,7 @@ def gru(x, w, r, b=None, sequence_lens=None, initial_h=None, *, activation_alpha
         candidate = candidate_g(_clip(xw[:, 2 * size :] + hidden, clip))
         return ((1 - z) * candidate + z * h,)
 
-    return _recurrent(cell, x, w, r, b, [initial_h], direction, layout, hidden_size, 3, clip)
+    return _recurrent(cell, x, w, r, b, [initial_h], direction, layout, hidden_size, 3, clip, sequence_lens)
 
 
 @register_onnx_op("LSTM")
@@ -575,4 +582,4 @@ def lstm(x, w, r, b=None, sequence_lens=None, initial_h=None, initial_c=None, p=
         o = gate_f(_clip(gates[:, size : 2 * size] + peephole[size : 2 * size] * c, clip))
         return (o * out_h(c), c)
 
-    return _recurrent(cell, x, w, r, b, [initial_h, initial_c], direction, layout, hidden_size, 4, clip)
+    return _recurrent(cell, x, w, r, b, [initial_h, initial_c], direction, layout, hidden_size, 4, clip, sequence_lens)

@@ -248,7 +248,7 @@ def _function_body(node: Any, inputs: list, context: _Context) -> Any:
     except Exception:  # noqa: BLE001 - an op the standard does not know: no body
         return None
     if schema.has_function:
-        function = schema.get_function_with_opset_version(opset) or schema.function_body
+        function = schema.get_function_with_opset_version(_function_version(schema.function_opset_versions, opset)) or schema.function_body
         if isinstance(function, bytes):
             function = onnx.FunctionProto.FromString(function)
         return function
@@ -263,13 +263,21 @@ def _function_body(node: Any, inputs: list, context: _Context) -> Any:
                         break
             types.append(onnx.helper.make_tensor_type_proto(elem, None).SerializeToString())
         try:
-            encoded = schema.get_context_dependent_function_with_opset_version(opset, node.SerializeToString(), types)
+            version = _function_version(schema.context_dependent_function_opset_versions, opset)
+            encoded = schema.get_context_dependent_function_with_opset_version(version, node.SerializeToString(), types)
         except Exception:  # noqa: BLE001 - no body for these input types
             return None
         function = onnx.FunctionProto()
         function.ParseFromString(encoded)
-        return function
+        return function if function.node else None
     return None
+
+
+def _function_version(versions: Any, opset: int) -> int:
+    """The opset of the standard's function body that holds at `opset`: the latest defined at or
+    before it (SoftmaxCrossEntropyLoss's is defined at 13 and holds at 17; asked for 17 itself,
+    the schema gives an empty body)."""
+    return max((version for version in versions if version <= opset), default=opset)
 
 
 def _run_function(function: Any, node: Any, inputs: list, attributes: dict, context: _Context) -> list:

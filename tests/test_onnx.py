@@ -28,9 +28,10 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import bridge  # noqa: E402
+from bridge.compat.onnx_conformance import ATOL, RTOL  # noqa: E402
+from bridge.compat.onnx_conformance import compare_outputs as _compare  # noqa: E402
+from bridge.compat.onnx_conformance import export_onnx as _export  # noqa: E402
 from bridge.runtime import errors  # noqa: E402
-
-RTOL, ATOL = 1e-5, 1e-6
 
 
 @pytest.fixture(autouse=True)
@@ -44,32 +45,6 @@ def _quiet_exporter():
         yield
     logging.disable(logging.NOTSET)
     torch.distributions.Distribution.set_default_validate_args(validating)
-
-
-def _export(model, args, path, dynamo=False, **options):
-    model.eval()
-    if dynamo:
-        torch.onnx.export(model, args, str(path), dynamo=True, verbose=False, **options)
-    else:
-        torch.onnx.export(model, args, str(path), dynamo=False, opset_version=17, **options)
-    return str(path)
-
-
-def _compare(actual, expected):
-    actual = actual if isinstance(actual, (tuple, list)) else (actual,)
-    expected = expected if isinstance(expected, (tuple, list)) else (expected,)
-    assert len(actual) == len(expected)
-    worst = 0.0
-    for got, want in zip(actual, expected):
-        got = got.cpu()
-        assert got.dtype == want.dtype and got.shape == want.shape
-        if not want.is_floating_point():
-            torch.testing.assert_close(got, want)
-            continue
-        scale = max(want.abs().max().item(), 1.0)
-        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL * scale)
-        worst = max(worst, (got - want).abs().max().item())
-    return worst
 
 
 def _parity(model, args, tmp_path, dynamo=False, **options):
@@ -381,8 +356,9 @@ def test_a_file_it_cannot_read_says_so(tmp_path, damage):
 # ------------------------------------------------------------------ the conformance suite
 
 
-# The ops torch.onnx.export emits for the models above and the transformers models (both
-# exporters), whose node cases must all pass (the full sweep: python -m bridge.compat.onnx_conformance).
+# The ops torch.onnx.export emits for the models above, the transformers models (both exporters)
+# and the script corpus's models (python -m bridge.compat.onnx_conformance --corpus), whose node
+# cases must all pass (the full sweep: python -m bridge.compat.onnx_conformance).
 EMITTED_OPS = (
     "Abs", "Add", "And", "ArgMax", "AveragePool", "BatchNormalization", "Cast", "Concat", "Constant",
     "ConstantOfShape", "Conv", "ConvTranspose", "Cos", "CumSum", "Div", "Equal", "Erf", "Exp", "Expand", "Flatten",
@@ -390,7 +366,7 @@ EMITTED_OPS = (
     "GRU", "Identity", "InstanceNormalization", "IsNaN", "LayerNormalization", "LeakyRelu", "Less", "LessOrEqual",
     "Log", "LogSoftmax", "Loop", "LSTM", "MatMul", "Max", "MaxPool", "Min", "Mul", "Neg", "NonZero", "Not",
     "OneHot", "Pad", "Pow", "Range", "Reciprocal", "ReduceMax", "ReduceMean", "ReduceSum", "Relu", "Reshape",
-    "Resize", "ScatterElements", "ScatterND", "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "Split", "Sqrt",
+    "Resize", "ScatterElements", "ScatterND", "Shape", "Sigmoid", "Sin", "Slice", "Softmax", "SoftmaxCrossEntropyLoss", "Split", "Sqrt",
     "Squeeze", "Sub", "Tanh", "TopK", "Transpose", "Trilu", "Unsqueeze", "Where",
 )
 
