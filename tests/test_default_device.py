@@ -200,3 +200,22 @@ def test_repeated_factories_give_fresh_tensors_of_the_same_values(bridged):
     # Floating-point results are not shared: an optimizer step donates parameters' arrays.
     first, second = torch.zeros(3, device="cuda"), torch.zeros(3, device="cuda")
     assert first._value is not second._value
+
+
+def test_a_default_device_still_reaches_factories_that_were_stand_ins_when_torch_first_listed_them(
+    bridged, default_device_reset, monkeypatch
+):
+    """torch caches its list of factories on first use: where a stand-in replaced `torch.linspace`
+    then (another library's, a test's), torch's own list misses the real one (an order-dependent
+    failure of the suite); the bridge's default device keeps its own list."""
+    constructors = torch.utils._device._device_constructors
+    original = torch.linspace
+    constructors.cache_clear()
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "linspace", lambda *args, **kwargs: original(*args, **kwargs))
+        constructors()
+    try:
+        torch.set_default_device("cuda")
+        _assert_on_bridge(torch.linspace(0, 1, 5), torch.linspace(0, 1, 5, device="cpu"))
+    finally:
+        constructors.cache_clear()

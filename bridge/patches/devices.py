@@ -606,6 +606,12 @@ class _AnyDeviceContext(type(_TorchDeviceContext)):
         return issubclass(subclass, _TorchDeviceContext)
 
 
+# torch's factories, as torch defines them: `_device_constructors()` caches the functions that
+# `torch.linspace` and the others name when it is first called, which are whatever replaced them
+# then (a test's or a library's stand-in) if that came first.
+_CONSTRUCTORS = frozenset(_device_constructors.__wrapped__())
+
+
 @replace(torch.utils._device, "DeviceContext")
 class BridgeDeviceContext(_TorchDeviceContext, metaclass=_AnyDeviceContext):
     """A default device that names a bridge device makes factories called without `device=`
@@ -613,7 +619,7 @@ class BridgeDeviceContext(_TorchDeviceContext, metaclass=_AnyDeviceContext):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if kwargs.get("device") is None and func in _device_constructors():
+        if kwargs.get("device") is None and func in _CONSTRUCTORS:
             index = devices.bridge_index(self.device)
             if index is not None and _bridge_active():
                 return _make_on_bridge(func, args, kwargs, index)
