@@ -144,12 +144,17 @@ def _client():
     return jax_distributed.global_state.client
 
 
+def _prefix(group: tuple) -> str:
+    """The coordination service's names for a group's barriers and votes."""
+    return f"bridge/{'-'.join(map(str, group))}"
+
+
 def meet(group: tuple, name: str, timeout_seconds: float, site: str = "") -> int:
     """Wait for every rank of `group` at a barrier of JAX's coordination service; a rank that does
     not come within the timeout raises DistributedTimeoutError instead of a hang in XLA. Returns
     the collective's number in the group."""
     count = _sequence[group] = _sequence.get(group, 0) + 1
-    barrier = f"bridge/{'-'.join(map(str, group))}/{count}"
+    barrier = f"{_prefix(group)}/{count}"
     try:
         _client().wait_at_barrier(barrier, max(1, int(timeout_seconds * 1000)), process_ids=list(group))
     except Exception as error:
@@ -172,13 +177,13 @@ def agree(group: tuple, name: str, timeout_seconds: float, site: str, choice: bo
     of two programs, the ranks must all take the same one."""
     rank, client = _world[0].rank, _client()
     count = _sequence.get(group, 0) + 1
-    votes = f"bridge/{'-'.join(map(str, group))}/votes/{count}/"
+    votes = f"{_prefix(group)}/votes/{count}/"
     client.key_value_set(votes + str(rank), "1" if choice else "0")
     meet(group, name, timeout_seconds, site)
     answer = all(value == "1" for _, value in client.key_value_dir_get(votes))
     # Every rank has read the votes of two collectives ago (it has since passed a barrier).
     try:
-        client.key_value_delete(f"bridge/{'-'.join(map(str, group))}/votes/{count - 2}/{rank}")
+        client.key_value_delete(f"{_prefix(group)}/votes/{count - 2}/{rank}")
     except Exception:  # not there: that collective was no vote
         pass
     return answer

@@ -454,15 +454,13 @@ def _reducing(reductions, donated, kept, plan):
     """The batch's program with DDP's average of the gradients first, where every rank takes it
     into its step; else the average alone, then the batch's program."""
     reduction, *others = reductions
-    roots = [root for pending in reductions for root in pending.roots]
-    before = [root._value for root in roots]
+    unreduced = _unreduced(reductions)
     for other in others:  # two DDP modules stepped by one optimizer: the first reduces in the step
         other.resolve()
     if not reduction.reducer.agree(True):
         reduction.run_alone()
     if others or reduction.done:
-        now = {id(old): root._value for old, root in zip(before, roots) if root._value is not old}
-        donated, kept = jax.tree_util.tree_map(lambda leaf: now.get(id(leaf), leaf), (donated, kept))
+        donated, kept = _averaged(unreduced, (donated, kept))
         if reduction.done:
             return _together(donated, kept, plan)
     values = [root._value for root in reduction.roots]
@@ -491,6 +489,18 @@ def _reducing_program(plan, donated_tree, kept_tree, where, group):
         return _updates(donated, kept, plan), averaged
 
     return distributed.group_program(body, group, donate_argnums=(1,))
+
+
+def _unreduced(reductions):
+    """(array, root) for each gradient the reductions wait on, as it is before they run."""
+    return [(root._value, root) for reduction in reductions for root in reduction.roots]
+
+
+def _averaged(unreduced, tree):
+    """`tree` with each of `unreduced`'s arrays that a reduction has since replaced by its average
+    replaced the same way (update arguments taken before the reduction ran alone)."""
+    now = {id(old): root._value for old, root in unreduced if root._value is not old}
+    return jax.tree_util.tree_map(lambda leaf: now.get(id(leaf), leaf), tree) if now else tree
 
 
 def take_reduction(reduction):
@@ -560,10 +570,10 @@ def submit(kind, in_place, args, statics, finish, now=False):
         return
     if _batch is not None and _batch.reductions:
         # Run now, before the batch: the gradients it took unreduced are averaged first.
-        unreduced = {id(root._value): root for reduction in _batch.reductions for root in reduction.roots}
+        unreduced = _unreduced(_batch.reductions)
         for reduction in _batch.reductions:
             reduction.resolve()
-        args = jax.tree_util.tree_map(lambda leaf: unreduced[id(leaf)]._value if id(leaf) in unreduced else leaf, args)
+        args = _averaged(unreduced, args)
     plain, with_params = _JITTED[kind]
     finish((with_params if in_place else plain)(*args, **statics))
 
