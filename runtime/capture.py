@@ -48,7 +48,7 @@ from . import tensor as tensor_module
 from .callsite import _is_library
 from .config import KEEP_FOR_BACKWARD, settings
 from .errors import GraphBreak
-from .tensor import BridgeTensor, read_value, root_of, write_value
+from .tensor import BridgeTensor, read_value, root_of, when_freed, write_value
 
 # Programs kept per region before it is left to run eagerly (torch.compile's cache_size_limit).
 MAX_PROGRAMS = 8
@@ -1043,7 +1043,7 @@ class _RegionFunction(torch.autograd.Function):
         diff_roots, other_roots = _split(state["root_values"], program.diff_roots)
         diff_inputs, other_inputs = _split(state["input_values"], program.diff_inputs)
         primals = (diff_roots, diff_inputs, other_roots, other_inputs, state["key"])
-        ctx.gradients = ctx.pullback = None
+        ctx.gradients = ctx.residuals = None
         if program.speculate is not None:
             floats, (others, mutated, written, new_key, guards), ctx.gradients = program.fused(*primals, program.speculate)
         elif settings.residuals == "recompute":
@@ -1052,15 +1052,14 @@ class _RegionFunction(torch.autograd.Function):
             if program.backward_ahead:
                 program.backward_ahead = False
                 _compile_backward(program, primals)
-            floats, (others, mutated, written, new_key, guards), residuals = program.forward(*primals)
-            ctx.pullback = residuals.pullback(primals)
+            floats, (others, mutated, written, new_key, guards), ctx.residuals = program.forward(*primals)
         _check_guards(program, guards)
         _write_back(program, state["inputs"], mutated, written, new_key)
         floats, others = iter(floats), iter(others)
         arrays = [next(floats) if is_float else next(others) for is_float in program.out_float]
         tensors, _ = _outputs(program, arrays)
         ctx.program = program
-        ctx.primals = primals
+        ctx.primals = _FreeableRoots(program, primals) if program.owner_views else primals
         ctx.diff_tensors = diff_tensors
         # Unused outputs get no gradient from torch (None); zeros are made here, on the device.
         ctx.set_materialize_grads(False)
@@ -1077,13 +1076,53 @@ class _RegionFunction(torch.autograd.Function):
                 ".backward() or autograd.grad(). Specify retain_graph=True if you need to backward through the "
                 "graph a second time or if you need to access saved tensors after calling backward."
             )
-        results = _region_backward(ctx, grads)
+        primals = ctx.primals.current() if isinstance(ctx.primals, _FreeableRoots) else ctx.primals
+        results = _region_backward(ctx, primals, grads)
         if not _graph_kept():
             # torch frees this graph after this backward: the region's inputs and residuals go
             # with it, so that an optimizer step can update the parameters' buffers in place
             # (runtime.tensor.held_only_by_their_tensors).
-            ctx.primals = ctx.pullback = ctx.gradients = None
+            ctx.primals = ctx.residuals = ctx.gradients = None
         return results
+
+
+class _FreeableRoots:
+    """The inputs a region's backward reads, where its parameters are views into roots whose
+    storage the script frees between the forward and the backward: FSDP2 frees each block's
+    gathered parameters after the block's forward (`untyped_storage().resize_(0)`) and gathers
+    them into the same storage again before its backward. torch's saved tensors share that
+    storage, so the memory is gone in between and the backward reads the refilled contents.
+    Here a freed root's array is let go of at the free (the forward's residuals never hold it:
+    `_Residuals` puts inputs back at the backward) and read again from the root at the backward."""
+
+    def __init__(self, program, primals):
+        self.primals = [list(part) if isinstance(part, list) else part for part in primals]
+        self.places = {}  # id(root) -> (root, part of primals, position in it)
+        diff, counts = set(program.diff_roots), [0, 0]
+        for position, (root, owner) in enumerate(zip(program.roots, program.owners)):
+            part = 0 if position in diff else 2
+            k, counts[part // 2] = counts[part // 2], counts[part // 2] + 1
+            if owner._chain:
+                self.places[id(root)] = (root, part, k)
+                when_freed(root, self)
+                when_freed(root, owner)  # its own copy of its part goes too
+
+    def _storage_freed(self, root):
+        _, part, k = self.places[id(root)]
+        self.primals[part][k] = None
+
+    def current(self):
+        for root, part, k in self.places.values():
+            if self.primals[part][k] is None:
+                if root.__dict__.get("_freed"):
+                    raise RuntimeError(
+                        f"the backward of a captured region needs a tensor of shape {tuple(root.shape)} that its "
+                        "parameters are views into, and that tensor's storage was freed "
+                        "(untyped_storage().resize_(0)) after the forward and not given back (resize_ to its "
+                        "size and filled) before the backward; torch's backward would read freed memory"
+                    )
+                self.primals[part][k] = read_value(root)
+        return tuple(self.primals)
 
 
 _keep_graph = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
@@ -1104,7 +1143,7 @@ def _torch_convention(values):
     return [jax.numpy.conj(value) if value is not None and value.dtype.kind == "c" else value for value in values]
 
 
-def _region_backward(ctx, grads):
+def _region_backward(ctx, primals, grads):
     """_RegionFunction's backward: the region's gradients for torch's incoming ones."""
     program = ctx.program
     grads = [grad for grad, is_float in zip(grads, program.out_float) if is_float]
@@ -1125,17 +1164,17 @@ def _region_backward(ctx, grads):
     grads = [_gradient(grad, shape, dtype, index) for grad, (shape, dtype) in zip(grads, ctx.float_avals)]
     if torch.is_grad_enabled():
         # create_graph=True: the gradients need a graph of their own (double backward).
-        results = _RegionGradFunction.apply(program, ctx.primals, len(grads), *grads, *ctx.diff_tensors)
+        results = _RegionGradFunction.apply(program, primals, len(grads), *grads, *ctx.diff_tensors)
         return (None, None, *results)
     cotangents = _torch_convention([read_value(grad) for grad in grads])
     if ctx.gradients is not None:
         program.speculate = None  # this region's outputs are used otherwise: split runs again
-        d_roots, d_inputs = program.recompute(ctx.primals, cotangents)
+        d_roots, d_inputs = program.recompute(primals, cotangents)
     else:
-        if ctx.pullback is None:  # residuals="recompute": the backward runs the forward again
-            d_roots, d_inputs = program.recompute(ctx.primals, cotangents)
+        if ctx.residuals is None:  # residuals="recompute": the backward runs the forward again
+            d_roots, d_inputs = program.recompute(primals, cotangents)
         else:
-            d_roots, d_inputs = program.backward(ctx.pullback, cotangents)
+            d_roots, d_inputs = program.backward(ctx.residuals.pullback(primals), cotangents)
         if len(given) == 1 and ctx.float_avals[given[0]][0] == () and program.speculate is None:
             program.speculate = given[0]
     values = _torch_convention(list(d_roots) + list(d_inputs))

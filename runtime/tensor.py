@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Optional
 
@@ -228,7 +229,15 @@ class BridgeTensor(torch.Tensor):
     # tied parameter answer their root's storage; `data_ptr` and `storage_offset` place a view
     # where torch would, in its root's elements.
     def untyped_storage(self):
-        return BridgeStorage(root_of(self))
+        root = root_of(self)
+        if "_on_free" not in root.__dict__:
+            root._on_free = {}  # its storage may be freed: see BridgeStorage.resize_ and when_freed
+        return BridgeStorage(root)
+
+    def _storage_freed(self, root):
+        # A view's copy of its part of a root whose storage was just freed goes with it (FSDP's
+        # unsharded parameters, views into each block's gathered buffer): its shape and dtype stay.
+        self._value = jax.ShapeDtypeStruct(self._value.shape, self._value.dtype)
 
     def storage_offset(self):
         return _byte_offset(self) // self.element_size()
@@ -294,6 +303,14 @@ class BridgeStorage(torch.UntypedStorage):
             settle(root)
             root._value = jnp.zeros((0,), TORCH_TO_JAX[root.dtype], device=devices.jax_device(root._index))
             root._freed = True
+            # What still holds the old array lets go: views' copies, and a captured region's saved
+            # inputs, which its backward reads again once the storage is filled (runtime/capture.py).
+            watchers = root.__dict__.get("_on_free", {})
+            for ref in list(watchers.values()):
+                holder = ref()
+                if holder is not None:
+                    holder._storage_freed(root)
+            watchers.clear()
         elif size == whole:
             if root.__dict__.get("_freed"):
                 root._value = jnp.zeros(tuple(root.shape), TORCH_TO_JAX[root.dtype], device=devices.jax_device(root._index))
@@ -512,7 +529,21 @@ def read_value(tensor: BridgeTensor) -> jax.Array:
         value = apply_view(value)
     tensor._value = value
     tensor._seen = root._generation
+    if "_on_free" in root.__dict__ and not settings.tracing:
+        when_freed(root, tensor)
     return value
+
+
+def when_freed(root: BridgeTensor, holder: Any) -> None:
+    """Have `holder._storage_freed(root)` called when the root's storage is freed
+    (`untyped_storage().resize_(0)`); held weakly."""
+    # (by id, not a WeakSet: that compares tensors with ==)
+    watchers = root.__dict__.get("_on_free")
+    if watchers is None:
+        watchers = root._on_free = {}
+    key = id(holder)
+    if key not in watchers:
+        watchers[key] = weakref.ref(holder, lambda _, key=key: watchers.pop(key, None))
 
 
 def read_values(tensors: Sequence[BridgeTensor]) -> list[jax.Array]:

@@ -1039,7 +1039,7 @@ def test_activations_and_layer_norm_keep_what_torch_keeps(captured, monkeypatch,
         # freed one lets go of them).
         (out.float() * projection.to(device)).sum().backward(retain_graph=True)
         outs.append(out)
-    residuals = jax.tree_util.tree_leaves(outs[1].grad_fn.pullback)
+    residuals = jax.tree_util.tree_leaves(outs[1].grad_fn.residuals)
     assert sum(tuple(value.shape) == (4, 32) for value in residuals) == saved
     grads = [[p.grad.cpu() for p in net.parameters()] for net in (model, reference)]
     if not autocast:
@@ -1262,3 +1262,69 @@ def test_parameters_that_are_views_into_a_buffer_stay_captured_with_torchs_gradi
         torch.testing.assert_close(model.bias.grad.cpu(), reference.bias.grad)
     assert not capture.breaks, capture.breaks
     assert len(_regions("_ViewsOfOneBuffer")) == 1
+
+
+class _ViewsOfFreedBuffers(_ViewsOfOneBuffer):
+    """The same parameters; the region's output is not a scalar (as an FSDP block's). Torch's
+    buffers are copies, whose storage can be resized (a tensor made from NumPy's cannot)."""
+
+    def __init__(self, device):
+        super().__init__(device)
+        self.weight_buffer, self.bias_buffer = self.weight_buffer.clone(), self.bias_buffer.clone()
+        self.weight = torch.nn.Parameter(torch.as_strided(self.weight_buffer, (6, 4), (4, 1), 0))
+        self.bias = torch.nn.Parameter(self.bias_buffer[:, 1])
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight + self.bias.sum())
+
+
+def _free_and_refill(module, refill):
+    """What FSDP2 does to a block's gathered parameters between its forward and its backward."""
+    saved = [module.weight_buffer.detach().clone(), module.bias_buffer.detach().clone()]
+    for buffer in (module.weight_buffer, module.bias_buffer):
+        buffer.untyped_storage().resize_(0)
+    if refill:
+        for buffer, value in zip((module.weight_buffer, module.bias_buffer), saved):
+            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+            with torch.no_grad():
+                buffer.copy_(value)
+
+
+def test_a_region_lets_go_of_parameters_whose_storage_is_freed_and_reads_them_again_at_backward(captured):
+    """FSDP2 frees a block's gathered parameters after its forward and fills the same storage
+    again before its backward: the forward's arrays must not stay alive in between (each block's
+    would, a whole model's parameters unsharded), and the gradients are torch's."""
+    import gc
+    import weakref
+
+    from bridge.runtime.tensor import root_of
+
+    reference, model = _ViewsOfFreedBuffers("cpu"), _ViewsOfFreedBuffers("cuda")
+    x = torch.randn(5, 6)
+    for step in range(3):
+        out = reference(x)
+        _free_and_refill(reference, refill=True)
+        out.square().sum().backward()
+        read_value(model.weight)  # the view's own copy of its part, as a read outside the region makes
+        out = model(x.cuda())
+        held = [weakref.ref(root_of(model.weight_buffer)._value), weakref.ref(model.weight._value)]
+        _free_and_refill(model, refill=False)
+        gc.collect()
+        assert [ref() for ref in held] == [None, None], "the freed storage's arrays are still held"
+        for buffer, value in zip((model.weight_buffer, model.bias_buffer), (reference.weight_buffer, reference.bias_buffer)):
+            buffer.untyped_storage().resize_(buffer.numel() * buffer.element_size())
+            with torch.no_grad():
+                buffer.copy_(value.detach().clone().cuda())  # (a zero-copy export would pin torch's storage)
+        out.square().sum().backward()
+        torch.testing.assert_close(model.weight.grad.cpu(), reference.weight.grad)
+        torch.testing.assert_close(model.bias.grad.cpu(), reference.bias.grad)
+    assert not capture.breaks, capture.breaks
+    assert len(_regions("_ViewsOfFreedBuffers")) == 1
+
+
+def test_a_backward_that_needs_parameters_whose_storage_is_still_freed_says_so(captured):
+    model = _ViewsOfFreedBuffers("cuda")
+    out = model(torch.randn(5, 6).cuda())
+    _free_and_refill(model, refill=False)
+    with pytest.raises(RuntimeError, match=r"storage was freed \(untyped_storage\(\)\.resize_\(0\)\) after the forward"):
+        out.square().sum().backward()
