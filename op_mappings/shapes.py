@@ -261,16 +261,30 @@ def unfold(self, dimension, size, step):
 
 @register_mapping(aten.as_strided.default, aten.as_strided_copy.default)
 def as_strided(self, size, stride, storage_offset=None):
-    return jnp.ravel(self)[_strided_positions(size, stride, storage_offset)]
+    flat, offset, count = jnp.ravel(self), storage_offset or 0, math.prod(size)
+    if count and all(step == expected for extent, step, expected in zip(size, stride, _contiguous(size)) if extent > 1):
+        # A dense block (FSDP's parameters in their all-gather buffer, a flat parameter's
+        # views): a slice, not a gather of every position.
+        return jax.lax.slice(flat, (offset,), (offset + count,)).reshape(tuple(size))
+    return flat[_strided_positions(size, stride, offset)]
+
+
+def _contiguous(size):
+    strides, step = [], 1
+    for extent in reversed(size):
+        strides.append(step)
+        step *= max(extent, 1)
+    return strides[::-1]
 
 
 def _strided_positions(size, stride, storage_offset):
-    """Flat positions, in a contiguous buffer, of the elements of a strided view."""
-    positions = jnp.full(tuple(size), storage_offset or 0, dtype=jnp.int64)
+    """Flat positions, in a contiguous buffer, of the elements of a strided view (made on the
+    host: the sizes are static)."""
+    positions = np.full(tuple(size), storage_offset or 0, dtype=np.int64)
     for axis, (extent, step) in enumerate(zip(size, stride)):
         shape = [1] * len(size)
         shape[axis] = extent
-        positions = positions + (jnp.arange(extent, dtype=jnp.int64) * step).reshape(shape)
+        positions = positions + (np.arange(extent, dtype=np.int64) * step).reshape(shape)
     return positions
 
 

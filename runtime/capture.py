@@ -782,7 +782,6 @@ def _gradients_out(program, given, values, index):
     """Region gradients for torch: None for a differentiated value no output with a gradient
     reaches (torch leaves such a parameter's `.grad` None), a tensor for the others."""
     reached = frozenset().union(*(program.reach[position] for position in given)) if program.reach else None
-    values = _owner_gradients(program, values)
     return [
         BridgeTensor(value, index) if reached is None or k in reached else None for k, value in enumerate(values)
     ]
@@ -791,7 +790,8 @@ def _gradients_out(program, given, values, index):
 def _owner_gradients(program, values):
     """A differentiated root's gradient as its owner's: a parameter that is a view into its root
     (FSDP2's unsharded parameters, views into the all-gather's buffer) gets the root's gradient
-    cut by its view chain (a selection of distinct elements: `_roots` checks)."""
+    cut by its view chain (a selection of distinct elements: `_roots` checks). Applied inside
+    the programs that make the gradients (run op by op, the cuts cost FSDP blocks 30 ms a step)."""
     if not program.owner_views:
         return values
     values = list(values)
@@ -862,15 +862,21 @@ def _build(program, options):
 
         if settings.fused_residuals == "matmuls":
             scalar = jax.checkpoint(scalar, policy=_KEEP)
-        (_, (floats, aux)), gradients = jax.value_and_grad(scalar, argnums=(0, 1), has_aux=True)(diff_roots, diff_inputs)
-        return floats, aux, gradients
+        (_, (floats, aux)), (d_roots, d_inputs) = jax.value_and_grad(scalar, argnums=(0, 1), has_aux=True)(
+            diff_roots, diff_inputs
+        )
+        return floats, aux, (_owner_gradients(program, d_roots), d_inputs)
 
     def recompute(primals, cotangents):
         diff_roots, diff_inputs, other_roots, other_inputs, key = primals
         _, pullback, _ = jax.vjp(
             lambda a, b: differentiable(a, b, other_roots, other_inputs, key), diff_roots, diff_inputs, has_aux=True
         )
-        return pullback(cotangents)
+        return pull(pullback, cotangents)
+
+    def pull(pullback, cotangents):
+        d_roots, d_inputs = pullback(cotangents)
+        return _owner_gradients(program, d_roots), d_inputs
 
     def primal(diff_roots, diff_inputs, other_roots, other_inputs, key):
         return differentiable(diff_roots, diff_inputs, other_roots, other_inputs, key)
@@ -879,7 +885,7 @@ def _build(program, options):
     # (`Layout.AUTO` outputs) would spare ResNet-50 its NCHW/NHWC transposes, but with JAX 0.10
     # a convolution's output of such a program read wrong in the next program on XLA's CPU.
     program.forward = jax.jit(forward, compiler_options=options)
-    program.backward = jax.jit(_pull, compiler_options=options)
+    program.backward = jax.jit(pull, compiler_options=options)
     program.primal = jax.jit(primal, compiler_options=options)
     program.fused = jax.jit(fused, static_argnums=5, compiler_options=options)
     program.recompute = jax.jit(recompute, compiler_options=options)
@@ -905,10 +911,6 @@ def _compile_backward(program, primals):
     residuals = jax.tree_util.tree_map(placed, residuals)
     cotangents = [placed(value) for value in floats]
     program.backward.lower(residuals.pullback(primals), cotangents).compile()
-
-
-def _pull(pullback, cotangents):
-    return pullback(cotangents)
 
 
 @jax.tree_util.register_pytree_node_class

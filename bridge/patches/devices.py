@@ -823,15 +823,19 @@ class BridgeStream:
 
 
 class BridgeEvent:
-    """What `torch.cuda.Event()` returns: records the time once queued work has finished."""
+    """What `torch.cuda.Event()` returns. A timing event records the time once the work queued
+    before it has finished (a wait). Another orders work between streams, which JAX's one
+    queue per device already does: recording it costs nothing, and waiting on it waits for all
+    queued work (FSDP2 records one per block and collective: a wait each had stalled the GPU)."""
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
         self.enable_timing = enable_timing
         self.time = None
 
     def record(self, stream=None):
-        synchronize()
-        self.time = time.perf_counter()
+        if self.enable_timing:
+            synchronize()
+            self.time = time.perf_counter()
 
     def synchronize(self):
         synchronize()
@@ -840,6 +844,7 @@ class BridgeEvent:
         return None
 
     def query(self):
+        synchronize()
         return True
 
     def elapsed_time(self, end_event):

@@ -98,6 +98,34 @@ def _plain_cpu(value):
     return isinstance(value, torch.Tensor) and not isinstance(value, BridgeTensor) and value.is_cpu
 
 
+def _local_shards(a, names):
+    """The functional update's arguments with FSDP2's sharded parameters (DTensors) and their
+    gradients and state replaced by their local shards, where that is the same update: each
+    parameter's tensors sharded or replicated alike over one mesh (an elementwise update of the
+    shards is the update of the whole). Else `a` unchanged: torch runs the update on the DTensors,
+    an op of DTensor's dispatch per tensor and op."""
+    params = a["params"]
+    if not params or type(params[0]).__name__ != "DTensor":
+        return a
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Partial
+
+    local = dict(a)
+    for name in ("params", *names):
+        tensors = a[name]
+        if len(tensors) != len(params):
+            return a
+        shards = []
+        for tensor, param in zip(tensors, params):
+            if not isinstance(tensor, DTensor) or tensor.device_mesh != param.device_mesh:
+                return a
+            if tensor.placements != param.placements or any(isinstance(p, Partial) for p in tensor.placements):
+                return a
+            shards.append(tensor._local_tensor)
+        local[name] = shards
+    return local
+
+
 def _uniform(params):
     """The params' dtype and device if all are bridge tensors of one real float dtype and device."""
     if not params or not all(isinstance(p, BridgeTensor) for p in params):
@@ -223,6 +251,7 @@ def adam(wrapped, instance, args, kwargs):
     if not settings.capture or settings.tracing:  # a traced step is torch's own, through the tables
         return wrapped(*args, **kwargs)
     a = _bind(wrapped, args, kwargs)
+    a = _local_shards(a, ["grads", "exp_avgs", "exp_avg_sqs"] + (["max_exp_avg_sqs"] if a["amsgrad"] else []))
     params = a["params"]
     dtype = _uniform(params)
     steps = a["state_steps"]
@@ -306,6 +335,9 @@ def sgd(wrapped, instance, args, kwargs):
     if not settings.capture or settings.tracing:  # a traced step is torch's own, through the tables
         return wrapped(*args, **kwargs)
     a = _bind(wrapped, args, kwargs)
+    if all(buffer is not None for buffer in a["momentum_buffer_list"]):
+        # (a first step's buffers are made by the update and put in the state: torch's DTensors)
+        a = _local_shards(a, ["d_p_list", "momentum_buffer_list"])
     params, grads, buffers = a["params"], a["d_p_list"], a["momentum_buffer_list"]
     dtype = _uniform(params)
     first = all(buffer is None for buffer in buffers)
