@@ -55,7 +55,7 @@ class Settings:
         self.fused_attention = os.environ.get("BRIDGE_FUSED_ATTENTION", "1") != "0"
         # Where Adam's moments and SGD's momentum buffers live (runtime/optimizers.py): "flat"
         # (one array per kind, each parameter's state tensor a view into it), "separate" (an
-        # array per tensor, as torch keeps them); None decides by platform (optimizer_state()).
+        # array per tensor, as torch keeps them); None decides by size (optimizer_state()).
         self.optimizer_state = os.environ.get("BRIDGE_OPTIMIZER_STATE") or None
         # Compile a captured region's backward before its first split forward runs
         # (runtime/capture.py `_compile_backward`): None decides by platform (GPUs only).
@@ -78,11 +78,19 @@ settings = Settings()
 KEEP_FOR_BACKWARD = "bridge_keep_for_backward"
 
 
-def optimizer_state():
-    """The optimizer state's layout: "flat" or "separate" (settings.optimizer_state)."""
+# Above this many bytes of parameters in a group, the state is kept separate by default: the
+# flat layout's update joins the gradients into one more copy of them (a 7.5 B model sharded
+# over 2 GPUs ran out of memory in its first Adam step that way), while the host cost it saves,
+# an array per parameter and call, is small beside such a step.
+SEPARATE_STATE_BYTES = 1 << 30
+
+
+def optimizer_state(parameter_bytes=0):
+    """The optimizer state's layout: "flat" or "separate" (settings.optimizer_state; by default
+    flat, separate for a group of more than SEPARATE_STATE_BYTES of parameters)."""
     layout = settings.optimizer_state
     if layout is None:
-        return "flat"
+        return "separate" if parameter_bytes > SEPARATE_STATE_BYTES else "flat"
     if layout not in ("flat", "separate"):
         raise ValueError(f"BRIDGE_OPTIMIZER_STATE={layout!r}: the optimizer state's layout is 'flat' or 'separate'")
     return layout

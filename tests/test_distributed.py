@@ -99,11 +99,12 @@ def test_fsdp2_matches_one_process_and_gathers_a_torch_checkpoint(tmp_path):
     single = _succeeded(run_python("-m", "bridge", "run", "--quiet", os.path.join(SCRIPTS, "train_fsdp.py"),
                                    "--checkpoint", str(tmp_path / "single.pt")))
     _assert_same_training(sharded, single)
-    saved, expected = torch.load(checkpoint), torch.load(str(tmp_path / "single.pt"))
-    assert list(saved) == list(expected)
-    for key in saved:
-        assert type(saved[key]) is torch.Tensor
-        torch.testing.assert_close(saved[key], expected[key], rtol=1e-5, atol=1e-6)
+    for suffix in ("", ".optimizer"):  # the model's and AdamW's state (its moments, gathered from the shards)
+        saved, expected = torch.load(checkpoint + suffix), torch.load(str(tmp_path / "single.pt") + suffix)
+        assert list(saved) == list(expected)
+        for key in saved:
+            assert type(saved[key]) is torch.Tensor
+            torch.testing.assert_close(saved[key], expected[key], rtol=1e-5, atol=1e-6)
 
 
 def test_a_gradient_read_on_one_rank_before_the_step_makes_every_rank_average_alone(tmp_path):

@@ -511,3 +511,15 @@ def test_a_parameter_replaced_in_its_group_is_not_repeated_as_the_old_one(captur
     reference, net = run("cpu"), run("cuda")
     for p_ref, p in zip(reference.parameters(), net.parameters()):
         torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=2e-5, atol=1e-6)
+
+
+def test_a_large_group_keeps_separate_state_by_default(monkeypatch):
+    """The flat layout's update joins the gradients into one more copy of them: above
+    SEPARATE_STATE_BYTES of parameters the state is kept separate unless the user chose."""
+    from bridge.runtime.config import SEPARATE_STATE_BYTES, optimizer_state, settings
+
+    monkeypatch.setattr(settings, "optimizer_state", None)
+    assert optimizer_state(SEPARATE_STATE_BYTES) == "flat"
+    assert optimizer_state(SEPARATE_STATE_BYTES + 1) == "separate"
+    monkeypatch.setattr(settings, "optimizer_state", "flat")
+    assert optimizer_state(SEPARATE_STATE_BYTES + 1) == "flat"

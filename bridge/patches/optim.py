@@ -123,6 +123,7 @@ def _local_shards(a, names):
                 return a
             shards.append(tensor._local_tensor)
         local[name] = shards
+    local["sharded_params"] = params  # (the update is made from shards: no replay, _Replay.make)
     return local
 
 
@@ -143,9 +144,11 @@ class _GroupUpdate:
     update; `submit(grads, lr)` runs it (again) for these gradients and learning rate.
 
     `state` names the per-parameter state tensors it uses (the state dict's keys) with the
-    tensors, so that a repeat can check that the optimizer's state still holds them."""
+    tensors, so that a repeat can check that the optimizer's state still holds them. `shards`:
+    made from DTensors' local shards (`_local_shards`), which the state is not keyed by."""
 
     kind = None
+    shards = False
 
     def __init__(self, params, dtype, state, statics):
         self.params, self.dtype, self.state, self.statics = params, dtype, state, statics
@@ -168,10 +171,10 @@ class _GroupUpdate:
     def _write_params(self, new_params):
         write_values(self.params, new_params)
 
-    @property
+    @functools.cached_property
     def separate(self):
         """Whether the state tensors hold arrays of their own (else views into flat roots)."""
-        return optimizer_state() == "separate"
+        return optimizer_state(sum(map(torch.Tensor.numel, self.params)) * self.params[0].element_size()) == "separate"
 
 
 def _write_state(held, value):
@@ -286,6 +289,7 @@ def adam(wrapped, instance, args, kwargs):
         maximize=bool(a["maximize"]),
     )
     update = _AdamUpdate(params, dtype, state, statics, on_host)
+    update.shards = "sharded_params" in a
     update.submit(a["grads"], float(a["lr"]))
     _record(update)
     return None
@@ -364,6 +368,7 @@ def sgd(wrapped, instance, args, kwargs):
     )
     state = {} if momentum == 0 else {"momentum_buffer": buffers}
     update = _SGDUpdate(params, dtype, state, statics, buffers)
+    update.shards = "sharded_params" in a
     update.submit(grads, float(a["lr"]))
     # A first step's update makes the buffers: the next step's differs (it reads them).
     _record(None if statics["first"] else update)
@@ -678,7 +683,7 @@ class _Replay:
         """A replay of these updates, or None where a step may not be repeated this way (a group
         torch's own update took, a learning rate or hyperparameter that is not a plain value)."""
         groups = optimizer.param_groups
-        if len(updates) != len(groups) or any(update is None for update in updates):
+        if len(updates) != len(groups) or any(update is None or update.shards for update in updates):
             return None
         for group in groups:
             if not isinstance(group.get("lr"), (int, float)) or not all(_plain_value(v) for k, v in group.items() if k != "params"):

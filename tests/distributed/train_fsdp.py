@@ -87,16 +87,24 @@ for step in range(options.steps):
         print(f"step {step} loss {reported.item():.7f}", flush=True)
 
 if distributed:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
 
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=full)
+    assert len(optimizer.state_dict()["state"]) == len(list(model.parameters()))  # torch's own: this rank's shards
+    moments = get_optimizer_state_dict(model, optimizer, options=full).get("state", {})  # (rank 0's alone)
 else:
     state = {key: value.cpu() for key, value in model.state_dict().items()}
+    names = [name for name, _ in model.named_parameters()]
+    moments = {names[k]: entry for k, entry in optimizer.state_dict()["state"].items()}
 if rank == 0:
     flat = torch.cat([value.flatten() for value in state.values()])
     print("weights", " ".join(f"{value:.7f}" for value in flat[-12:].tolist()), flush=True)
     if options.checkpoint:
         torch.save(state, options.checkpoint)
+        torch.save({f"{name}.{kind}": value.cpu() for name, entry in moments.items() for kind, value in entry.items()},
+                   options.checkpoint + ".optimizer")
 if distributed:
     dist.barrier()
     dist.destroy_process_group()
