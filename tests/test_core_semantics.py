@@ -569,3 +569,23 @@ def test_data_is_an_alias_without_autograd(bridged):
         column = weight.detach()[:, 1]
         column.data.zero_()
         assert weight[:, 1].tolist() == [0.0, 0.0], device
+
+
+@pytest.mark.parametrize("make", [
+    lambda device: torch.zeros(300, 300, device=device),
+    lambda device: torch.ones((70_000,), dtype=torch.int32, device=device),
+    lambda device: torch.full((300, 300), -2.5, device=device),
+    lambda device: torch.full((300, 300), 7, device=device),
+    lambda device: torch.full((300, 300), True, device=device),
+    lambda device: torch.zeros(2, 70_000, dtype=torch.float64, requires_grad=True, device=device),
+])
+def test_large_factories_of_one_value_are_made_on_the_device_as_torch_makes_them(bridged, make):
+    """Made there by a program (FSDP2's all-gather buffers: a host copy took 260 ms on an H200)."""
+    from bridge.runtime.tensor import BridgeTensor
+
+    made, expected = make("cuda"), make("cpu")
+    assert isinstance(made, BridgeTensor) and made.requires_grad == expected.requires_grad
+    assert made.dtype == expected.dtype and made.shape == expected.shape
+    torch.testing.assert_close(made.detach().cpu(), expected.detach())
+    empty = torch.empty(3, 70_000, dtype=torch.bfloat16, device="cuda")
+    assert empty.shape == (3, 70_000) and empty.dtype == torch.bfloat16

@@ -32,6 +32,9 @@ parser.add_argument("--seq", type=int, default=512)
 parser.add_argument("--batch", type=int, default=4, help="sequences per GPU and step")
 parser.add_argument("--steps", type=int, default=8)
 parser.add_argument("--single", action="store_true", help="one process, one GPU, the global batch of 4 GPUs")
+parser.add_argument("--phases", action="store_true",
+                    help="wait for the device after the forward, the backward and the step, and print each one's ms")
+parser.add_argument("--profile", help="write rank 0's host profile (cProfile) of the steps after the second here")
 options = parser.parse_args()
 sys.path.insert(0, options.fsdp2)
 from model import ModelArgs, Transformer  # noqa: E402  (pytorch/examples' own model)
@@ -75,15 +78,35 @@ if rank == 0:
 
 generator = torch.Generator().manual_seed(100 + rank)
 times = []
+profiler = None
+if options.profile and rank == 0:
+    import cProfile
+
+    profiler = cProfile.Profile()
+
+
+def phase(name, started):
+    if options.phases:
+        torch.cuda.synchronize()
+        if rank == 0:
+            print(f"  {name} {(time.perf_counter() - started) * 1000:.1f}ms", flush=True)
+    return time.perf_counter()
+
+
 for step in range(options.steps):
     tokens = torch.randint(0, options.vocab, (batch, options.seq + 1), generator=generator).to(device)
     torch.cuda.synchronize()
+    if profiler is not None and step == 2:
+        profiler.enable()
     started = time.perf_counter()
     logits = model(tokens[:, :-1])
     loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    mark = phase("forward", started)
     loss.backward()
+    mark = phase("backward", mark)
     optimizer.step()
     optimizer.zero_grad()
+    phase("step", mark)
     value = loss.detach()
     if world > 1:
         dist.all_reduce(value)
@@ -94,6 +117,16 @@ for step in range(options.steps):
     if rank == 0:
         print(f"step {step} loss {value:.5f} time {times[-1]:.1f}ms", flush=True)
 
+if profiler is not None:
+    import io
+    import pstats
+
+    profiler.disable()
+    text = io.StringIO()
+    for order, count in (("cumulative", 70), ("tottime", 40)):
+        pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(count)
+    with open(options.profile, "w") as handle:
+        handle.write(text.getvalue())
 if rank == 0:
     median = statistics.median(times[2:]) if len(times) > 2 else times[-1]
     print(f"median {median:.1f} ms/step, {batch * options.seq / (median / 1000):,.0f} tokens/s per GPU, "
