@@ -62,17 +62,29 @@ def _assert_same_training(got, expected):
     torch.testing.assert_close(torch.tensor(weights), torch.tensor(expected_weights), rtol=1e-5, atol=1e-6)
 
 
+_DDP_OPTIONS = ["--optimizer", "adamw", "--accumulate", "2", "--steps", "3", "--clip", "0.05"]
+
+
+@pytest.fixture(scope="module")
+def torch_ddp_run(tmp_path_factory):
+    """torch's own DDP over gloo on the CPU, run once for both modes' tests: its output and the
+    checkpoint rank 0 saved."""
+    checkpoint = str(tmp_path_factory.mktemp("torch_ddp") / "torch.pt")
+    output = _succeeded(_launch(2, "train_ddp.py", *_DDP_OPTIONS, "--backend", "gloo", "--device", "cpu",
+                                "--checkpoint", checkpoint, bridge=False))
+    return output, checkpoint
+
+
 @pytest.mark.parametrize("mode", ["captured", "eager"])
-def test_ddp_matches_torchs_ddp_and_one_process(mode, tmp_path):
+def test_ddp_matches_torchs_ddp_and_one_process(mode, tmp_path, torch_ddp_run):
     """Two processes, rank 1 starting from other weights (DDP's broadcast must replace them),
     AdamW, gradient accumulation under no_sync(), clip_grad_norm_: the losses, the weights and the checkpoint
     rank 0 saves are torch's DDP's over gloo and those of one process with the global batch."""
-    options = ["--optimizer", "adamw", "--accumulate", "2", "--steps", "3", "--clip", "0.05"]
+    options = _DDP_OPTIONS
     checkpoint = str(tmp_path / "bridge.pt")
     report = str(tmp_path / "report.json")
     bridge = _succeeded(_launch(2, "train_ddp.py", *options, "--checkpoint", checkpoint, mode=mode, report=report))
-    torch_ddp = _succeeded(_launch(2, "train_ddp.py", *options, "--backend", "gloo", "--device", "cpu",
-                                   "--checkpoint", str(tmp_path / "torch.pt"), bridge=False))
+    torch_ddp, torch_checkpoint = torch_ddp_run
     single = _succeeded(run_python("-m", "bridge", "run", "--quiet", "--mode", mode,
                                    os.path.join(SCRIPTS, "train_ddp.py"), *options))
     _assert_same_training(bridge, torch_ddp)
@@ -82,7 +94,7 @@ def test_ddp_matches_torchs_ddp_and_one_process(mode, tmp_path):
         averages = json.loads((tmp_path / f"report.rank{rank}.json").read_text())["ddp_gradient_averages"]
         assert averages == ({"in_step": 3, "alone": 0} if mode == "captured" else {"in_step": 0, "alone": 3})
     # Rank 0's checkpoint: an ordinary torch file with DDP's "module." keys, as torch's DDP saves it.
-    saved, expected = torch.load(checkpoint), torch.load(str(tmp_path / "torch.pt"))
+    saved, expected = torch.load(checkpoint), torch.load(torch_checkpoint)
     assert list(saved) == list(expected) and all(key.startswith("module.") for key in saved)
     for key in saved:
         assert type(saved[key]) is torch.Tensor
