@@ -157,7 +157,20 @@ def run_script(script, args, report=None, strict=False, quiet=False, device="aut
     finally:
         sys.stdout.flush()
         run_report.finish(report, quiet)
+    if code and _joined_others():
+        # The other ranks may be waiting for this one in a collective, and JAX's exit would wait
+        # for them at its shutdown barrier (5 minutes) before the launcher heard of the failure
+        # and stopped them: this process ends now, as a failed torch rank does.
+        sys.stderr.flush()
+        os._exit(code)
     return code
+
+
+def _joined_others():
+    from bridge.runtime import distributed
+
+    world = distributed.world()
+    return world is not None and world.size > 1
 
 
 def launch(options):

@@ -165,6 +165,17 @@ def test_a_missing_rank_raises_a_timeout_error_instead_of_hanging():
     assert time.time() - started < 200
 
 
+def test_a_rank_that_raises_ends_the_run_at_once():
+    """Rank 1 raises while rank 0 waits for it in a collective with a long timeout: rank 1's
+    process exits at once (JAX's exit would first wait for rank 0 at its shutdown barrier, 5
+    minutes), so the launcher sees the failure and stops rank 0."""
+    started = time.time()
+    done = _launch(2, "missing_rank.py", "200", "crash", timeout=240)
+    assert done.returncode != 0
+    assert "rank 1 failed on purpose" in done.stdout + done.stderr
+    assert time.time() - started < 90, f"the run took {time.time() - started:.0f} s to end"
+
+
 def test_one_process_ddp_runs_like_no_ddp():
     """torchrun with one process (the one-GPU case): no collective runs; the numbers are those of
     the script without DDP."""
