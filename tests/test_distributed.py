@@ -101,6 +101,17 @@ def test_ddp_matches_torchs_ddp_and_one_process(mode, tmp_path, torch_ddp_run):
         torch.testing.assert_close(saved[key], expected[key], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("hook", ["allreduce", "fp16"])
+def test_ddp_communication_hooks_give_torchs_training(hook):
+    """torch's allreduce_hook and fp16_compress_hook (the gradients cast to float16 for the
+    all_reduce, then back) registered with register_comm_hook: the same training as torch's DDP
+    with the same hook over gloo."""
+    options = ["--optimizer", "sgd", "--steps", "3", "--comm-hook", hook]
+    bridge = _succeeded(_launch(2, "train_ddp.py", *options))
+    torch_ddp = _succeeded(_launch(2, "train_ddp.py", *options, "--backend", "gloo", "--device", "cpu", bridge=False))
+    _assert_same_training(bridge, torch_ddp)
+
+
 def test_fsdp2_matches_one_process_and_gathers_a_torch_checkpoint(tmp_path):
     """fully_shard per block and at the root, AdamW, the model made as large ones are (on the
     meta device, `init_process_group(device_id=)`, FSDP's default mesh, `to_empty`, rank 0's

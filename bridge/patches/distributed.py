@@ -597,6 +597,7 @@ class DistributedDataParallel(_TorchDistributedDataParallel):
                 "(init_process_group was called before the bridge was active?); activate the bridge first"
             )
         self._queued = False
+        self._comm_hook = None  # (state, hook) from register_comm_hook
         self._reducer = _Reducer(self._backend)
         self._synchronize(self._parameters_synced + self._buffers_synced, "DistributedDataParallel's broadcast")
         for parameter in self._parameters_synced:
@@ -627,13 +628,24 @@ class DistributedDataParallel(_TorchDistributedDataParallel):
             self.require_backward_grad_sync = previous
 
     def register_comm_hook(self, state, hook):
+        """torch's communication hook: `hook(state, bucket)` reduces a bucket of gradients (a flat
+        buffer of them; one bucket per dtype here) and returns a Future of the result, which DDP
+        writes back into the gradients. The average runs when the backward ends, then, not in the
+        step's program."""
         if not self._bridge:
             return super().register_comm_hook(state, hook)
-        raise DistributedError(
-            f"DistributedDataParallel.register_comm_hook at {user_call_site()}: the bridge reduces the "
-            "gradients in one collective of its own and runs no communication hooks; remove the hook "
-            "(compression hooks save bandwidth that XLA's collectives spend differently)"
-        )
+        if self._comm_hook is not None:
+            raise RuntimeError("register_comm_hook or register_builtin_comm_hook can only be called once.")
+        self._comm_hook = (state, hook)
+
+    def _register_builtin_comm_hook(self, comm_hook_type):
+        if not self._bridge:
+            return super()._register_builtin_comm_hook(comm_hook_type)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hooks = {dist.BuiltinCommHookType.ALLREDUCE: default_hooks.allreduce_hook,
+                 dist.BuiltinCommHookType.FP16_COMPRESS: default_hooks.fp16_compress_hook}
+        self.register_comm_hook(self.process_group, hooks[comm_hook_type])
 
     def _set_static_graph(self):
         if not self._bridge:
@@ -667,7 +679,7 @@ class DistributedDataParallel(_TorchDistributedDataParallel):
             return
         parameters = self._parameters_synced
         grads = [parameter.grad for parameter in parameters]
-        if settings.capture and not settings.tracing and _whole_and_distinct(grads):
+        if self._comm_hook is None and settings.capture and not settings.tracing and _whole_and_distinct(grads):
             # The optimizer's step takes the average into its program (the ranks agree there).
             optimizers.PendingReduction([root_of(grad) for grad in grads], self._reducer)
             return
@@ -676,12 +688,72 @@ class DistributedDataParallel(_TorchDistributedDataParallel):
         missing = [grad is None for grad in grads]
         gradients = [jnp.zeros(p.shape, TORCH_TO_JAX[p.dtype]) if absent else read_value(p.grad)
                      for p, absent in zip(parameters, missing)]
-        averaged, counts = self._reducer.average(gradients, missing)
+        if self._comm_hook is None:
+            averaged, counts = self._reducer.average(gradients, missing)
+        else:
+            averaged, counts = self._hooked(parameters, gradients, missing)
         for index, (parameter, value) in enumerate(zip(parameters, averaged)):
             if not missing[index]:
                 write_value(parameter.grad, value)
             elif counts[index]:
                 parameter.grad = BridgeTensor(value, devices.current_index())
+
+
+    def _hooked(self, parameters, gradients, missing):
+        """The gradients reduced by the registered communication hook, a bucket per dtype (in
+        torch's order: the parameters last registered first, as their gradients become ready), and
+        where a rank lacks a gradient, how many ranks had it (a second, small all_reduce)."""
+        state, hook = self._comm_hook
+        index = parameters[0]._index
+        by_dtype = {}
+        for position in reversed(range(len(parameters))):
+            by_dtype.setdefault(gradients[position].dtype, []).append(position)
+        reduced = list(gradients)
+        for number, positions in enumerate(by_dtype.values()):
+            flat = jnp.concatenate([gradients[p].reshape(-1) for p in positions])
+            bucket = _GradBucket(number, BridgeTensor(flat, index), [parameters[p] for p in positions],
+                                 number == len(by_dtype) - 1)
+            result = hook(state, bucket).wait()
+            result = read_value(result[0] if isinstance(result, (list, tuple)) else result)
+            start = 0
+            for p in positions:
+                size = gradients[p].size
+                reduced[p] = result[start:start + size].reshape(gradients[p].shape).astype(gradients[p].dtype)
+                start += size
+        if not any(missing):
+            return reduced, None
+        had = jnp.asarray([0 if absent else 1 for absent in missing], jnp.int32)
+        (counts,) = collectives.all_reduce([had], self._group, ("SUM",))
+        return reduced, np.asarray(counts)
+
+
+class _GradBucket:
+    """What a DDP communication hook is handed (torch's GradBucket): a flat buffer of gradients."""
+
+    def __init__(self, number, buffer, parameters, last):
+        self._number, self._buffer, self._parameters, self._last = number, buffer, parameters, last
+
+    def index(self):
+        return self._number
+
+    def buffer(self):
+        return self._buffer
+
+    def set_buffer(self, buffer):
+        self._buffer = buffer
+
+    def gradients(self):
+        pieces, start = [], 0
+        for parameter in self._parameters:
+            pieces.append(self._buffer[start:start + parameter.numel()].view(parameter.shape))
+            start += parameter.numel()
+        return pieces
+
+    def parameters(self):
+        return list(self._parameters)
+
+    def is_last(self):
+        return self._last
 
 
 def _whole_and_distinct(grads) -> bool:

@@ -22,6 +22,8 @@ parser.add_argument("--accumulate", type=int, default=1, help="micro-batches per
 parser.add_argument("--checkpoint")
 parser.add_argument("--clip", type=float, help="clip_grad_norm_ before each step")
 parser.add_argument("--peek", action="store_true", help="rank 0 reads a gradient between backward and step")
+parser.add_argument("--comm-hook", choices=["allreduce", "fp16", "builtin"],
+                    help="a DDP communication hook: torch's allreduce_hook, fp16_compress_hook, or the builtin ALLREDUCE")
 options = parser.parse_args()
 
 distributed = "RANK" in os.environ
@@ -47,6 +49,13 @@ if rank == 1:  # different starting weights: DDP's broadcast must give every ran
             parameter.add_(1.0)
 if distributed:
     model = DistributedDataParallel(model, device_ids=[local_rank] if options.device == "cuda" else None)
+    if options.comm_hook == "builtin":
+        model._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    elif options.comm_hook:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook = default_hooks.allreduce_hook if options.comm_hook == "allreduce" else default_hooks.fp16_compress_hook
+        model.register_comm_hook(None, hook)
 optimizer = (torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9) if options.optimizer == "sgd"
              else torch.optim.AdamW(model.parameters(), lr=0.01))
 
