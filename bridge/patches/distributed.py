@@ -698,7 +698,6 @@ class DistributedDataParallel(_TorchDistributedDataParallel):
             elif counts[index]:
                 parameter.grad = BridgeTensor(value, devices.current_index())
 
-
     def _hooked(self, parameters, gradients, missing):
         """The gradients reduced by the registered communication hook, a bucket per dtype (in
         torch's order: the parameters last registered first, as their gradients become ready), and
