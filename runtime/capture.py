@@ -872,9 +872,9 @@ def _build(program, options):
         _, pullback, _ = jax.vjp(
             lambda a, b: differentiable(a, b, other_roots, other_inputs, key), diff_roots, diff_inputs, has_aux=True
         )
-        return pull(pullback, cotangents)
+        return _pull(pullback, cotangents)
 
-    def pull(pullback, cotangents):
+    def _pull(pullback, cotangents):
         d_roots, d_inputs = pullback(cotangents)
         return _owner_gradients(program, d_roots), d_inputs
 
@@ -885,7 +885,7 @@ def _build(program, options):
     # (`Layout.AUTO` outputs) would spare ResNet-50 its NCHW/NHWC transposes, but with JAX 0.10
     # a convolution's output of such a program read wrong in the next program on XLA's CPU.
     program.forward = jax.jit(forward, compiler_options=options)
-    program.backward = jax.jit(pull, compiler_options=options)
+    program.backward = jax.jit(_pull, compiler_options=options)
     program.primal = jax.jit(primal, compiler_options=options)
     program.fused = jax.jit(fused, static_argnums=5, compiler_options=options)
     program.recompute = jax.jit(recompute, compiler_options=options)

@@ -561,7 +561,11 @@ def when_freed(root: BridgeTensor, holder: Any) -> None:
         watchers = root._on_free = {}
     key = id(holder)
     if key not in watchers:
-        watchers[key] = weakref.ref(holder, lambda _, key=key: watchers.pop(key, None))
+
+        def forget(_: Any) -> None:
+            watchers.pop(key, None)
+
+        watchers[key] = weakref.ref(holder, forget)
 
 
 def read_values(tensors: Sequence[BridgeTensor]) -> list[jax.Array]:
