@@ -184,6 +184,10 @@ def launch(options):
     own += ["--report", options.report] if options.report else []  # one file per rank (run_script)
     command = ["--standalone", f"--nproc-per-node={options.nproc_per_node}", "-m", "bridge", *own,
                options.script, *options.args]
+    if not os.environ.get("BRIDGE_COORDINATOR"):
+        # JAX's coordination service on a port found free, not blindly the one after the store's
+        # (torchrun picks that one free, and the next may be taken: "Failed to start RPC server").
+        os.environ["BRIDGE_COORDINATOR"] = f"localhost:{_free_port()}"
     try:
         torchrun.main(command)
     except SystemExit as exit_request:
@@ -192,6 +196,14 @@ def launch(options):
         print(f"bridge: {type(error).__name__}: one or more processes failed (above)", file=sys.stderr)
         return 1
     return 0
+
+
+def _free_port():
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("localhost", 0))
+        return probe.getsockname()[1]
 
 
 def _exit_code(exit_request):
