@@ -31,6 +31,7 @@ and that region runs eagerly from then on.
 import copy
 import dataclasses
 import gc
+import itertools
 import operator
 import os
 import time
@@ -1099,11 +1100,10 @@ class _FreeableRoots:
 
     def __init__(self, program, primals):
         self.primals = [list(part) if isinstance(part, list) else part for part in primals]
-        self.places = {}  # id(root) -> (root, part of primals, position in it)
-        diff, counts = set(program.diff_roots), [0, 0]
+        self.places = {}  # id(root) -> (root, part of primals, position in it), as _split places them
+        diff, others = {position: k for k, position in enumerate(program.diff_roots)}, itertools.count()
         for position, (root, owner) in enumerate(zip(program.roots, program.owners)):
-            part = 0 if position in diff else 2
-            k, counts[part // 2] = counts[part // 2], counts[part // 2] + 1
+            part, k = (0, diff[position]) if position in diff else (2, next(others))
             if owner._chain:
                 self.places[id(root)] = (root, part, k)
                 when_freed(root, self)

@@ -287,10 +287,6 @@ def filled(shape: tuple, dtype: Any, value: Any, index: int) -> jax.Array:
     return _filled_program(tuple(shape), jnp.dtype(dtype), index)(value)
 
 
-def _zeros(shape, dtype, index):
-    return filled(shape, dtype, 0, index)
-
-
 class BridgeStorage(torch.UntypedStorage):
     """`untyped_storage()` of a bridge tensor: the identity, size and device of its root's data,
     whose bytes are a jax.Array's. Reading them (`cpu()`) copies the root's current contents to
@@ -319,7 +315,7 @@ class BridgeStorage(torch.UntypedStorage):
         whole = root.numel() * root.element_size()
         if size == 0:
             settle(root)
-            root._value = _zeros((0,), TORCH_TO_JAX[root.dtype], root._index)
+            root._value = filled((0,), TORCH_TO_JAX[root.dtype], 0, root._index)
             root._freed = True
             # What still holds the old array lets go: views' copies, and a captured region's saved
             # inputs, which its backward reads again once the storage is filled (runtime/capture.py).
@@ -331,7 +327,7 @@ class BridgeStorage(torch.UntypedStorage):
             watchers.clear()
         elif size == whole:
             if root.__dict__.get("_freed"):
-                root._value = _zeros(tuple(root.shape), TORCH_TO_JAX[root.dtype], root._index)
+                root._value = filled(tuple(root.shape), TORCH_TO_JAX[root.dtype], 0, root._index)
                 root._freed = False
         else:
             raise NotImplementedError(

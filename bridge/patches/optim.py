@@ -102,11 +102,11 @@ def _local_shards(a, names):
     """The functional update's arguments with FSDP2's sharded parameters (DTensors) and their
     gradients and state replaced by their local shards, where that is the same update: each
     parameter's tensors sharded or replicated alike over one mesh (an elementwise update of the
-    shards is the update of the whole). Else `a` unchanged: torch runs the update on the DTensors,
-    an op of DTensor's dispatch per tensor and op."""
+    shards is the update of the whole), and True; else `a` unchanged and False: torch runs the
+    update on the DTensors, an op of DTensor's dispatch per tensor and op."""
     params = a["params"]
     if not params or type(params[0]).__name__ != "DTensor":
-        return a
+        return a, False
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.placement_types import Partial
 
@@ -114,17 +114,16 @@ def _local_shards(a, names):
     for name in ("params", *names):
         tensors = a[name]
         if len(tensors) != len(params):
-            return a
+            return a, False
         shards = []
         for tensor, param in zip(tensors, params):
             if not isinstance(tensor, DTensor) or tensor.device_mesh != param.device_mesh:
-                return a
+                return a, False
             if tensor.placements != param.placements or any(isinstance(p, Partial) for p in tensor.placements):
-                return a
+                return a, False
             shards.append(tensor._local_tensor)
         local[name] = shards
-    local["sharded_params"] = params  # (the update is made from shards: no replay, _Replay.make)
-    return local
+    return local, True
 
 
 def _uniform(params):
@@ -254,7 +253,7 @@ def adam(wrapped, instance, args, kwargs):
     if not settings.capture or settings.tracing:  # a traced step is torch's own, through the tables
         return wrapped(*args, **kwargs)
     a = _bind(wrapped, args, kwargs)
-    a = _local_shards(a, ["grads", "exp_avgs", "exp_avg_sqs"] + (["max_exp_avg_sqs"] if a["amsgrad"] else []))
+    a, shards = _local_shards(a, ["grads", "exp_avgs", "exp_avg_sqs"] + (["max_exp_avg_sqs"] if a["amsgrad"] else []))
     params = a["params"]
     dtype = _uniform(params)
     steps = a["state_steps"]
@@ -289,7 +288,7 @@ def adam(wrapped, instance, args, kwargs):
         maximize=bool(a["maximize"]),
     )
     update = _AdamUpdate(params, dtype, state, statics, on_host)
-    update.shards = "sharded_params" in a
+    update.shards = shards  # (not replayed: _Replay.make)
     update.submit(a["grads"], float(a["lr"]))
     _record(update)
     return None
@@ -339,9 +338,10 @@ def sgd(wrapped, instance, args, kwargs):
     if not settings.capture or settings.tracing:  # a traced step is torch's own, through the tables
         return wrapped(*args, **kwargs)
     a = _bind(wrapped, args, kwargs)
+    shards = False
     if all(buffer is not None for buffer in a["momentum_buffer_list"]):
         # (a first step's buffers are made by the update and put in the state: torch's DTensors)
-        a = _local_shards(a, ["d_p_list", "momentum_buffer_list"])
+        a, shards = _local_shards(a, ["d_p_list", "momentum_buffer_list"])
     params, grads, buffers = a["params"], a["d_p_list"], a["momentum_buffer_list"]
     dtype = _uniform(params)
     first = all(buffer is None for buffer in buffers)
@@ -368,7 +368,7 @@ def sgd(wrapped, instance, args, kwargs):
     )
     state = {} if momentum == 0 else {"momentum_buffer": buffers}
     update = _SGDUpdate(params, dtype, state, statics, buffers)
-    update.shards = "sharded_params" in a
+    update.shards = shards  # (not replayed: _Replay.make)
     update.submit(grads, float(a["lr"]))
     # A first step's update makes the buffers: the next step's differs (it reads them).
     _record(None if statics["first"] else update)
