@@ -21,6 +21,7 @@ SURFACES = (
     "bridge.patches.composites",
     "bridge.patches.errors",
     "bridge.patches.distributed",
+    "bridge.patches.hf_generate",
 )
 
 _PLATFORMS = {"auto": None, "cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}

@@ -74,6 +74,12 @@ def summary_text(data=None):
             f"bridge: DistributedDataParallel's gradient averages: {averages['in_step']} inside the optimizer's "
             f"step program, {averages['alone']} in a program of their own (the gradients were read before the step)"
         )
+    if data.get("hf_static_caches"):
+        lines.append(
+            "bridge: HF generate decoded with its StaticCache where it would grow a DynamicCache every token "
+            "(BRIDGE_HF_STATIC_CACHE=0 keeps it): "
+            + ", ".join(f"{model} {count} call(s)" for model, count in data["hf_static_caches"].items())
+        )
     if data.get("uncompiled"):
         lines.append(
             "bridge: ops run uncompiled, a JAX dispatch per step of their mapping: "
@@ -95,6 +101,12 @@ def summary_text(data=None):
         for record in captured["compiles"]:
             if record["reason"] != "first call":
                 lines.append(f"bridge: {record['region']}: {record['reason']}")
+        if captured.get("hooked_modules"):
+            lines.append(
+                "bridge: modules whose hooks need Python on each call ran their own code, their submodules "
+                "as regions of their own: "
+                + ", ".join(f"{name} {count} call(s)" for name, count in list(captured["hooked_modules"].items())[:5])
+            )
         for record in captured["graph_breaks"]:
             lines.append(
                 f"bridge: graph break in {record['region']}: {record['reason']}, at {record['site']}; "

@@ -28,6 +28,7 @@ traceable mapping) is a graph break: it is recorded with the user's line and the
 and that region runs eagerly from then on.
 """
 
+import collections
 import copy
 import dataclasses
 import gc
@@ -1263,6 +1264,9 @@ class Compile:
 breaks = []  # Break records (the run report lists them)
 compiles = []  # Compile records
 fused_steps = {}  # optimizer name -> steps run as one program (bridge/patches/optim.py)
+# module class name -> calls that ran the module's Python because hooks on it or below it need
+# Python on each call (bridge/patches/capture.py): its submodules' regions compile on their own
+hooked = collections.Counter()
 
 
 def _describe(frame):
@@ -1596,6 +1600,7 @@ def reset():
     breaks.clear()
     compiles.clear()
     fused_steps.clear()
+    hooked.clear()
 
 
 def summary():
@@ -1605,5 +1610,6 @@ def summary():
         "compiles": [dataclasses.asdict(record) for record in compiles],
         "graph_breaks": [dataclasses.asdict(record) for record in breaks],
         "optimizer_steps_as_one_program": dict(fused_steps),
+        "hooked_modules": dict(hooked),
     }
 

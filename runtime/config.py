@@ -21,6 +21,9 @@ class Settings:
         # Record in-place updates of floating-point tensors and run them together as one
         # program at the first read of what they wrote (runtime/deferred.py).
         self.defer_updates = os.environ.get("BRIDGE_DEFER_UPDATES", "1") != "0"
+        # HF `generate` left to its default cache decodes with HF's StaticCache instead of the
+        # DynamicCache that grows every token (bridge/patches/hf_generate.py).
+        self.hf_static_cache = os.environ.get("BRIDGE_HF_STATIC_CACHE", "1") != "0"
         # Execution mode: "captured" (regions run as compiled programs) or "eager" (op by op).
         self.mode = os.environ.get("BRIDGE_MODE", "captured")
         # Depth of region traces in progress (runtime/capture.py); table entries then run inline.

@@ -56,6 +56,8 @@ dtype_corrections = {}  # OpOverload -> message
 deferred_ops = deferred_batches = deferred_programs = 0
 # DistributedDataParallel's gradient averages: run inside the optimizer's step, or alone
 ddp_averages = collections.Counter()
+# HF generate calls given a static cache in place of their default dynamic one, by model class
+hf_static_caches = collections.Counter()
 started = [time.perf_counter()]
 
 
@@ -68,6 +70,7 @@ def reset():
     global deferred_ops, deferred_batches, deferred_programs
     deferred_ops = deferred_batches = deferred_programs = 0
     ddp_averages.clear()
+    hf_static_caches.clear()
     uncompiled_calls.clear()
     dtype_corrections.clear()
     started[0] = time.perf_counter()
@@ -99,6 +102,7 @@ def summary():
         "host_runs": {str(op): count for op, count in host_runs.most_common()},
         "deferred_updates": {"ops": deferred_ops, "batches": deferred_batches, "programs": deferred_programs},
         "ddp_gradient_averages": {"in_step": ddp_averages["in_step"], "alone": ddp_averages["alone"]},
+        "hf_static_caches": dict(hf_static_caches),
         "uncompiled": [
             {"op": str(op), "calls": count, "why": uncompiled_reasons.get(op, "")} for op, count in uncompiled_calls.most_common()
         ],

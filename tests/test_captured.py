@@ -409,6 +409,8 @@ def test_hooks_keep_running_in_python(captured):
     assert seen == [torch.Size([4, 16])] * 3
     assert not _regions("MLP")  # the hooked subtree runs its Python; its unhooked parts are captured
     assert _regions("Linear")
+    # The report says which modules ran their Python for their hooks.
+    assert capture.summary()["hooked_modules"] == {"MLP": 3, "Linear": 3}
 
 
 def _edit_freeze(net):

@@ -4,7 +4,8 @@ writes into them in place is written back to the caller's object. A call that ch
 object's attributes (a cache's lazy initialization) is kept in a program that gives the caller's
 object its new state; calls that each change it (a cache that grows) run op by op and then break
 the region with a reason. HuggingFace `generate` with
-`cache_implementation="static"` runs as two programs: the prefill and every decoding step."""
+`cache_implementation="static"` (the bridge's choice where the call leaves the cache to HF, see
+tests/test_hf_models.py) runs as two programs: the prefill and every decoding step."""
 
 import copy
 
@@ -149,7 +150,12 @@ def test_generate_with_a_static_cache_decodes_with_one_program(captured):
 
 
 @pytest.mark.hf
-def test_generate_with_a_dynamic_cache_says_what_to_use(captured):
+def test_generate_with_a_dynamic_cache_says_what_to_use(captured, monkeypatch):
+    """With the bridge's choice of HF's StaticCache off (BRIDGE_HF_STATIC_CACHE=0), generate
+    grows HF's DynamicCache: the regions break, and say what to use."""
+    from bridge.runtime.config import settings
+
+    monkeypatch.setattr(settings, "hf_static_cache", False)
     reference, model = _gpt2()
     ids = torch.randint(0, 100, (1, 5), generator=torch.Generator().manual_seed(2))
     settings = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)

@@ -341,3 +341,73 @@ def test_model_trains_like_eager_torch(name, bridged):
     print(f"\n{name} ({case.why}): {shown}; {count} elements amplified by Adam, differing by up to {largest:.2g}")
     assert fallbacks == sorted(case.fallbacks), f"ops that ran on the host CPU: {fallbacks}"
     assert bool(breaks) == bool(case.breaks), breaks
+    if not case.breaks:
+        # Every step runs the model's program: no module below it compiled a region of its own,
+        # as one does when the model's call runs its Python (HF's output-capturing hooks, which
+        # Mixtral's router logits install after the first call, once made every later step do so).
+        regions = {record.region for record in capture.compiles}
+        assert regions <= {f"{type(model).__name__} (train)", "AdamW.step"}, regions
+
+
+# ---------------------------------------------------------------- generate with HF's default cache
+#
+# HF's default DynamicCache grows by torch.cat on every token (a new shape a token); under the
+# bridge such a call decodes with HF's StaticCache (bridge/patches/hf_generate.py): a bounded
+# number of programs, no break, torch's tokens and scores, and the DynamicCache torch returns.
+
+GENERATING = ["gpt2", "llama", "t5", "whisper", "mixtral"]
+
+
+def _prompt(name, generator):
+    if name == "whisper":
+        return {"input_features": torch.randn(1, 16, 32, generator=generator)}
+    return {"input_ids": torch.randint(3, VOCAB, (1, 6), generator=generator)}
+
+
+def _generate(model, prompt, device):
+    settings = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    return model.generate(**{key: value.to(device) for key, value in prompt.items()}, **settings)
+
+
+def _layers(cache):
+    """A returned cache's (keys, values) per layer, an encoder-decoder's self-attention first."""
+    parts = [cache.self_attention_cache, cache.cross_attention_cache] if hasattr(cache, "self_attention_cache") else [cache]
+    return [(type(part).__name__, layer.keys.detach().cpu(), layer.values.detach().cpu()) for part in parts for layer in part.layers]
+
+
+@pytest.mark.parametrize("mode", ["captured", "eager"])
+@pytest.mark.parametrize("name", GENERATING)
+def test_generate_with_its_default_cache_decodes_like_torch(name, mode, bridged):
+    previous = bridged.set_mode(mode)
+    try:
+        torch.manual_seed(0)
+        reference = CASES[name].build().eval()
+        model = copy.deepcopy(reference).to("cuda")
+        prompt = _prompt(name, torch.Generator().manual_seed(3))
+        expected = _generate(reference, prompt, "cpu")
+        stats.reset()
+        capture.reset()
+        result = _generate(model, prompt, "cuda")
+        assert result.sequences.cpu().tolist() == expected.sequences.tolist()
+        for step, (scores, expected_scores) in enumerate(zip(result.scores, expected.scores)):
+            finite = torch.isfinite(expected_scores)  # Whisper's processors set some to -inf
+            torch.testing.assert_close(
+                scores.cpu()[finite], expected_scores[finite], rtol=1e-5, atol=1e-6 * expected_scores[finite].abs().max(),
+                msg=lambda message: f"scores of token {step}: {message}",
+            )  # fmt: skip
+        # The cache comes back as torch's DynamicCache, holding the same positions.
+        returned, reference_layers = _layers(result.past_key_values), _layers(expected.past_key_values)
+        assert [kind for kind, _, _ in returned] == [kind for kind, _, _ in reference_layers]
+        for (_, keys, values), (_, expected_keys, expected_values) in zip(returned, reference_layers):
+            torch.testing.assert_close(keys, expected_keys, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(values, expected_values, rtol=1e-5, atol=1e-5)
+        assert stats.summary()["hf_static_caches"] == {type(model).__name__: 1}
+        if mode == "captured":
+            assert not capture.breaks, capture.breaks
+            # The prefill and one decoding step (and an encoder's run): a program each.
+            assert len(capture.compiles) <= 3, capture.compiles
+            compiled = len(capture.compiles)
+            assert _generate(model, prompt, "cuda").sequences.cpu().tolist() == expected.sequences.tolist()
+            assert len(capture.compiles) == compiled, capture.compiles[compiled:]
+    finally:
+        bridged.set_mode(previous)

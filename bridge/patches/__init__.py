@@ -10,6 +10,8 @@ place, so that `torch.jit.script` and what torch scripts itself (forward-mode
 AD's decompositions) compile calls to it as before.
 """
 
+import sys
+
 import torch.jit._builtins
 import wrapt
 
@@ -83,3 +85,42 @@ def wrap(owner, name):
 def collect(namespace):
     """The Patch objects declared with @replace/@wrap in a module's namespace, in order."""
     return [value.__bridge_patch__ for value in list(namespace.values()) if hasattr(value, "__bridge_patch__")]
+
+
+class WhenImported:
+    """A Patch of another library's attribute (`owner` a dotted path inside `module`), applied
+    while the bridge is active: at activation if the module is imported already, else when the
+    script imports it (wrapt's post-import hook). The hook is registered once per object and
+    stays, doing nothing while the bridge is inactive."""
+
+    def __init__(self, module, owner, name, wrapper):
+        self.module, self.owner, self.name, self.wrapper = module, owner, name, wrapper
+        self.wanted, self.applied, self.hooked = False, None, False
+
+    def apply(self):
+        self.wanted = True
+        if not self.hooked:
+            self.hooked = True
+            wrapt.register_post_import_hook(self._imported, self.module)  # runs now if imported
+        elif self.module in sys.modules:
+            self._imported(sys.modules[self.module])
+
+    def _imported(self, module):
+        if not self.wanted or self.applied is not None:
+            return
+        owner = module
+        for part in self.owner.split("."):
+            owner = getattr(owner, part, None)
+        if owner is None or self.name not in vars(owner):
+            return  # another version of the library: nothing to patch
+        self.applied = Patch(owner, self.name, wrapper=self.wrapper)
+        self.applied.apply()
+
+    def undo(self):
+        self.wanted = False
+        if self.applied is not None:
+            self.applied.undo()
+            self.applied = None
+
+    def __repr__(self):
+        return f"WhenImported({self.module}.{self.owner}.{self.name})"

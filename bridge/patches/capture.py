@@ -21,6 +21,7 @@ import functools
 import importlib
 import inspect
 import operator
+import sys
 import weakref
 
 import torch
@@ -112,7 +113,8 @@ class _Tree:
     def _read_flags(self, modules):
         # Hooks and training flags change without the modules changing: read on every call.
         self.hooked = any(
-            m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules
+            m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks or (m._forward_hooks and not _idle(m._forward_hooks))
+            for m in modules
         )
         self.key = tuple([m.training for m in modules])
 
@@ -124,6 +126,23 @@ class _Tree:
             return False
         self._read_flags(modules)
         return True
+
+
+_HF_CAPTURING = "transformers.utils.output_capturing"
+
+
+def _idle(hooks):
+    """Whether a module's forward hooks are all HF transformers' output-capturing ones, with no
+    collection under way. HF installs them for good the first time a call asks for router
+    logits or hidden states (Mixtral's config asks on every call); each appends to a collector
+    that the decorated forward sets and reads back itself, and does nothing while none is set.
+    Called with none set, a region runs them only inside its own Python, which its trace runs;
+    called inside a collecting forward (the region's module is below it), they would append to
+    the caller's collector, which a program's replay would not."""
+    if not all(getattr(hook, "__module__", None) == _HF_CAPTURING for hook in hooks.values()):
+        return False
+    collector = getattr(sys.modules.get(_HF_CAPTURING), "_active_collector", None)
+    return collector is not None and collector.get() is None
 
 
 def _weak_call(bound):
@@ -193,6 +212,7 @@ def module_call(wrapped, instance, args, kwargs):
     entry = _regions.get(instance)
     tree = _Tree(instance) if entry is None else entry.walk(instance)
     if tree.hooked:
+        capture.hooked[type(instance).__name__] += 1
         return wrapped(*args, **kwargs)
     if entry is None:
         entry = _regions[instance] = _ModuleRegion(instance, _weak_call(wrapped))
