@@ -118,7 +118,9 @@ def main():
     parser.add_argument("--prompt", type=int, default=64, help="prompt length in bytes")
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--cache", choices=("dynamic", "static"), default="dynamic")
+    parser.add_argument(
+        "--cache", choices=("default", "static"), default="default", help="generate's default cache, or cache_implementation='static'"
+    )
     parser.add_argument("--no-compile", action="store_true", help="generate(disable_compile=True)")
     options = parser.parse_args()
     if options.train:
