@@ -21,6 +21,8 @@ Programs (each run as its authors ship it; only command-line flags they offer ar
   bridge. Figure: median ms a step over steps 10-40.
 - vit: the same timm loop on vit_small_patch16_224 (its attention runs through
   F.scaled_dot_product_attention over 197 tokens, a length cuDNN's fused kernel refuses).
+- convnext: the same timm loop on convnext_tiny (depthwise 7x7 convolutions, LayerNorm over
+  channels-last, layer scale, stochastic depth off at timm's default).
 - generate: HF `generate`, greedy, 128 new tokens from a 64-token prompt, with a GPT-2 (12 x 768,
   a byte vocabulary) trained 300 steps on the standard library's source first (plain torch),
   so that its logits have clear margins (benchmarks/programs/hf_generate.py). Cases: torch eager
@@ -65,6 +67,7 @@ FIGURES = {
     "hf-trainer": ("ms_per_step", "ms"),
     "timm": ("ms_per_step", "ms"),
     "vit": ("ms_per_step", "ms"),
+    "convnext": ("ms_per_step", "ms"),
     "generate": ("ms_per_token", "ms a token"),
     "imagenet": ("steady_batch_seconds", "s/batch"),
     "word-lm": ("ms_per_batch", "ms/batch"),
@@ -165,10 +168,8 @@ def timm_train(scratch, timeout):
     return _script_cases("timm_train.py", ("torch", "torch-compile", "bridge"), scratch, timeout, "cache-timm")
 
 
-def vit_train(scratch, timeout):
-    return _script_cases(
-        "timm_train.py", ("torch", "torch-compile", "bridge"), scratch, timeout, "cache-vit", ["--model", "vit_small_patch16_224"]
-    )
+def vit_train(scratch, timeout, model="vit_small_patch16_224"):
+    return _script_cases("timm_train.py", ("torch", "torch-compile", "bridge"), scratch, timeout, f"cache-{model}", ["--model", model])
 
 
 GENERATE_CASES = ("torch", "torch-compile", "torch-static-eager", "bridge", "bridge-warm", "bridge-static")
@@ -307,7 +308,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nanogpt", help="a nanoGPT checkout")
     parser.add_argument("--examples", help="a pytorch/examples checkout")
-    parser.add_argument("--programs", default="nanogpt-bench,hf-trainer,timm,vit,generate,imagenet,word-lm")
+    parser.add_argument("--programs", default="nanogpt-bench,hf-trainer,timm,vit,convnext,generate,imagenet,word-lm")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--timeout", type=int, default=240, help="seconds per case at most")
     parser.add_argument("--window", type=int, default=75, help="seconds given to each imagenet and word-lm case")
@@ -324,6 +325,8 @@ def main():
             results[program] = timm_train(scratch, options.timeout)
         elif program == "vit":
             results[program] = vit_train(scratch, options.timeout)
+        elif program == "convnext":
+            results[program] = vit_train(scratch, options.timeout, "convnext_tiny")
         elif program == "generate":
             results[program] = hf_generate(scratch, options.timeout, options.generate_cases and options.generate_cases.split(","))
         elif program == "imagenet":

@@ -59,18 +59,28 @@ PROGRAM_ROWS = (
         "real_programs_h200_2026-11-27_facts_2",
         "hf-trainer",
     ),
+    ProgramRow("HF `Trainer`, another run", "real_programs_h200_2026-11-28_generate_default_cache", "hf-trainer"),
     ProgramRow(
         "timm `vit_small_patch16_224` training, bf16, AdamW", "real_programs_h200_2026-11-27_generate_vit", "vit"
     ),
+    ProgramRow("timm `vit_small_patch16_224`, another run", "real_programs_h200_2026-11-28_timm_convnext_vit", "vit"),
     ProgramRow(
-        "HF `generate`, GPT-2 12x768, greedy, 128 new tokens (bridge: static cache; torch.compile: HF's "
-        "static cache, compiled)",
+        "timm `convnext_tiny` training, bf16, AdamW", "real_programs_h200_2026-11-28_timm_convnext_vit", "convnext"
+    ),
+    ProgramRow(
+        "HF `generate`, GPT-2 12x768, greedy, 128 new tokens, generate's default cache (the bridge decodes "
+        "with HF's static cache; torch.compile: HF's static cache, compiled)",
+        "real_programs_h200_2026-11-28_generate_default_cache",
+        "generate",
+    ),
+    ProgramRow(
+        "HF `generate`, the cache asked static for the bridge",
         "real_programs_h200_2026-11-27_facts",
         "generate",
     ),
-    ProgramRow("HF `generate`, another run", "real_programs_h200_2026-11-27_deferred_updates", "generate"),
+    ProgramRow("HF `generate`, static, another run", "real_programs_h200_2026-11-27_deferred_updates", "generate"),
     ProgramRow(
-        "HF `generate`, the run before in-place updates ran together",
+        "HF `generate`, static, the run before in-place updates ran together",
         "real_programs_h200_2026-11-27_host_int_ops",
         "generate",
     ),
@@ -79,6 +89,7 @@ PROGRAM_ROWS = (
         "real_programs_h100_2026-11-26_pm",
         "timm",
     ),
+    ProgramRow("timm `resnet50`, another run", "real_programs_h200_2026-11-28_timm_convnext_vit", "timm"),
     ProgramRow(
         "pytorch/examples imagenet `-a resnet50 --dummy` (DataParallel)",
         "real_programs_h200_2026-11-27_host_int_ops_2",
