@@ -65,7 +65,12 @@ PROGRAM_ROWS = (
     ),
     ProgramRow("timm `vit_small_patch16_224`, another run", "real_programs_h200_2026-11-28_timm_convnext_vit", "vit"),
     ProgramRow(
-        "timm `convnext_tiny` training, bf16, AdamW", "real_programs_h200_2026-11-28_timm_convnext_vit", "convnext"
+        "timm `convnext_tiny` training, bf16, AdamW", "real_programs_h200_2026-11-28_narrow_conv_gradients", "convnext"
+    ),
+    ProgramRow(
+        "timm `convnext_tiny`, before bfloat16 convolutions' gradients were bfloat16 convolutions",
+        "real_programs_h200_2026-11-28_timm_convnext_vit",
+        "convnext",
     ),
     ProgramRow(
         "HF `generate`, GPT-2 12x768, greedy, 128 new tokens, generate's default cache (the bridge decodes "
@@ -89,7 +94,12 @@ PROGRAM_ROWS = (
         "real_programs_h100_2026-11-26_pm",
         "timm",
     ),
-    ProgramRow("timm `resnet50`, another run", "real_programs_h200_2026-11-28_timm_convnext_vit", "timm"),
+    ProgramRow("timm `resnet50`, another run", "real_programs_h200_2026-11-28_narrow_conv_gradients", "timm"),
+    ProgramRow(
+        "timm `resnet50`, before bfloat16 convolutions' gradients were bfloat16 convolutions",
+        "real_programs_h200_2026-11-28_timm_convnext_vit",
+        "timm",
+    ),
     ProgramRow(
         "pytorch/examples imagenet `-a resnet50 --dummy` (DataParallel)",
         "real_programs_h200_2026-11-27_host_int_ops_2",

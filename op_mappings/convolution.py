@@ -33,6 +33,41 @@ def _transposed_weight(weight, groups):
     return jnp.flip(forward, axis=tuple(range(2, 2 + len(kernel))))
 
 
+def _accumulating_conv(input, weight, accumulator, **options):
+    """lax.conv_general_dilated of `input` and `weight`, its result in `accumulator`'s dtype.
+
+    For bfloat16 and float16 operands (accumulated in float32, as cuDNN and torch's CPU kernels
+    do) the gradient is made of convolutions of operands of that dtype too, as torch's
+    convolution backward is: JAX's own rule for the float32 result would convolve the float32
+    cotangent with an upcast operand, which on GPUs ran the weight gradient of ConvNeXt's
+    depthwise convolutions as TF32 FFTs (timm's ConvNeXt-T trained at 1.8x torch eager's step)."""
+
+    def plain(input, weight, preferred):
+        return lax.conv_general_dilated(
+            input, weight, precision=precision.conv_precision(), preferred_element_type=preferred, **options
+        )
+
+    if accumulator == input.dtype:
+        return plain(input, weight, accumulator)
+
+    @jax.custom_vjp
+    def conv(input, weight):
+        return plain(input, weight, accumulator)
+
+    def forward(input, weight):
+        return conv(input, weight), (input, weight)
+
+    def backward(saved, cotangent):
+        input, weight = saved
+        cotangent = cotangent.astype(input.dtype)
+        (grad_input,) = jax.linear_transpose(lambda x: plain(x, weight, None), input)(cotangent)
+        (grad_weight,) = jax.linear_transpose(lambda w: plain(input, w, None), weight)(cotangent)
+        return grad_input, grad_weight
+
+    conv.defvjp(forward, backward)
+    return conv(input, weight)
+
+
 @compiled("stride", "padding", "dilation", "transposed", "output_padding", "groups", "channels_last")
 def _convolve(input, weight, bias, stride, padding, dilation, transposed, output_padding, groups, channels_last=False):
     spatial = input.ndim - 2
@@ -49,32 +84,31 @@ def _convolve(input, weight, bias, stride, padding, dilation, transposed, output
             (dilation[i] * (kernel[i] - 1) - padding[i], dilation[i] * (kernel[i] - 1) - padding[i] + output_padding[i])
             for i in range(spatial)
         ]
-        out = lax.conv_general_dilated(
+        out = _accumulating_conv(
             input,
             _transposed_weight(weight, groups),
+            accumulator,
             window_strides=(1,) * spatial,
-            padding=pads,
-            lhs_dilation=stride,
-            rhs_dilation=dilation,
+            padding=tuple(pads),
+            lhs_dilation=tuple(stride),
+            rhs_dilation=tuple(dilation),
             dimension_numbers=_dimension_numbers(spatial),
             feature_group_count=groups,
-            precision=precision.conv_precision(),
-            preferred_element_type=accumulator,
         )
     else:
         numbers = _dimension_numbers(spatial)
         if channels_last:  # precision.conv_channels_last: NHWC out, NCHW after the transpose below
             numbers = numbers[:2] + ("NHWC",)
-        out = lax.conv_general_dilated(
+        out = _accumulating_conv(
             input,
             weight,
-            window_strides=stride,
-            padding=[(p, p) for p in padding],
-            rhs_dilation=dilation,
+            accumulator,
+            window_strides=tuple(stride),
+            padding=tuple((p, p) for p in padding),
+            lhs_dilation=None,
+            rhs_dilation=tuple(dilation),
             dimension_numbers=numbers,
             feature_group_count=groups,
-            precision=precision.conv_precision(),
-            preferred_element_type=accumulator,
         )
         if channels_last:
             if bias is not None:

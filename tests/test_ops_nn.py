@@ -455,3 +455,60 @@ def test_dropout_backward_of_a_bool_gradient_is_float():
     gradient = torch.tensor([True, True, False, True])
     mask = torch.tensor([True, False, True, True])
     check(aten.native_dropout_backward.default, gradient, mask, 2.0)
+
+
+def _convolutions(jaxpr):
+    """Every conv_general_dilated equation of a jaxpr, nested ones (custom_vjp, pjit) included."""
+    import jax
+
+    found = []
+    for equation in jaxpr.eqns:
+        if equation.primitive.name == "conv_general_dilated":
+            found.append(equation)
+        for value in equation.params.values():
+            inner = getattr(value, "jaxpr", value)
+            if isinstance(inner, jax.extend.core.Jaxpr):
+                found += _convolutions(inner)
+    return found
+
+
+@pytest.mark.parametrize("groups", [1, 8], ids=["dense", "depthwise"])
+def test_half_precision_convolution_gradients_are_half_precision_convolutions(groups, bridged):
+    """A bfloat16 convolution accumulates in float32, and its input and weight gradients are
+    convolutions of bfloat16 operands, as torch's backward is: JAX's own rule convolved the
+    float32 cotangent with an upcast operand (TF32 and FFT kernels on GPUs, ConvNeXt's step at
+    1.8x torch's). The values are torch's within bfloat16's tolerances."""
+    import jax
+    import jax.numpy as jnp
+
+    from bridge.compat.harness import judge_against_float64
+    from bridge.op_mappings import convolution
+
+    def loss(x, w):
+        out = convolution._convolve(x, w, None, [1, 1], [3, 3], [1, 1], False, [0, 0], groups)
+        return out.astype(jnp.float32).sum()
+
+    x, w = jnp.ones((2, 8, 16, 16), jnp.bfloat16), jnp.ones((8, 8 // groups, 7, 7), jnp.bfloat16)
+    convs = _convolutions(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w).jaxpr)
+    assert len(convs) == 3, convs  # the forward, the input's and the weight's gradients
+    assert all(operand.aval.dtype == jnp.bfloat16 for equation in convs for operand in equation.invars), convs
+    assert convs[0].params["preferred_element_type"] == jnp.float32
+
+    torch.manual_seed(0)
+    reference = nn.Conv2d(8, 8, 7, padding=3, groups=groups).bfloat16()
+    model = copy.deepcopy(reference).cuda()
+    wide = copy.deepcopy(reference).double()
+    expected = torch.randn(2, 8, 16, 16).bfloat16().requires_grad_()
+    data, exact = expected.detach().cuda().requires_grad_(), expected.detach().double().requires_grad_()
+    for module, given in ((reference, expected), (model, data), (wide, exact)):
+        out = module(given)
+        # The cotangent in bfloat16, as both torch and the bridge hand it to the convolution.
+        out.backward(2 * out.detach().bfloat16().to(out.dtype))
+    results = [
+        (given.grad, module.weight.grad, module.bias.grad) for module, given in ((model, data), (reference, expected), (wide, exact))
+    ]
+    actual = [tensor.cpu() for tensor in results[0]]
+    # bfloat16 sums of 392 products round differently in torch's CPU kernel and XLA's: the
+    # bridge's gradients are as close to float64's as torch's, summed over the elements.
+    verdict = judge_against_float64(actual, list(results[1]), list(results[2]))
+    assert verdict is not None and verdict[0] == "precise", verdict
