@@ -361,7 +361,8 @@ GENERATING = ["gpt2", "llama", "t5", "whisper", "mixtral"]
 def _prompt(name, generator):
     if name == "whisper":
         return {"input_features": torch.randn(1, 16, 32, generator=generator)}
-    return {"input_ids": torch.randint(3, VOCAB, (1, 6), generator=generator)}
+    ids = torch.randint(3, VOCAB, (1, 6), generator=generator)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}  # as a tokenizer gives it
 
 
 def _generate(model, prompt, device):

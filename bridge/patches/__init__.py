@@ -88,7 +88,8 @@ def collect(namespace):
 
 
 class WhenImported:
-    """A Patch of another library's attribute (`owner` a dotted path inside `module`), applied
+    """A Patch of another library's attribute (`owner` a dotted path inside `module`, "" for the
+    module itself), applied
     while the bridge is active: at activation if the module is imported already, else when the
     script imports it (wrapt's post-import hook). The hook is registered once per object and
     stays, doing nothing while the bridge is inactive."""
@@ -109,7 +110,7 @@ class WhenImported:
         if not self.wanted or self.applied is not None:
             return
         owner = module
-        for part in self.owner.split("."):
+        for part in self.owner.split(".") if self.owner else ():
             owner = getattr(owner, part, None)
         if owner is None or self.name not in vars(owner):
             return  # another version of the library: nothing to patch
