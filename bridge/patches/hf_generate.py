@@ -30,8 +30,6 @@ from bridge.runtime.tensor import BridgeTensor
 
 _MODES = ("GREEDY_SEARCH", "SAMPLE")  # GenerationMode members whose caches are only appended to
 _made = {}  # id(cache) -> the cache: static caches made here, while their generate runs
-
-
 _signatures: dict = {}  # function -> its signature (inspect.signature took about 0.1 ms a call: a token's worth)
 
 
