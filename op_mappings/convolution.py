@@ -50,21 +50,18 @@ def _accumulating_conv(input, weight, accumulator, **options):
     if accumulator == input.dtype:
         return plain(input, weight, accumulator)
 
-    @jax.custom_vjp
+    @jax.custom_jvp
     def conv(input, weight):
         return plain(input, weight, accumulator)
 
-    def forward(input, weight):
-        return conv(input, weight), (input, weight)
+    @conv.defjvp
+    def tangent(primals, tangents):
+        # Linear in the tangents, in the operands' dtype: JAX's reverse mode transposes these
+        # (forward mode, torch.func.jvp, uses them as they are).
+        (input, weight), (input_dot, weight_dot) = primals, tangents
+        out_dot = plain(input_dot, weight, None) + plain(input, weight_dot, None)
+        return conv(input, weight), out_dot.astype(accumulator)
 
-    def backward(saved, cotangent):
-        input, weight = saved
-        cotangent = cotangent.astype(input.dtype)
-        (grad_input,) = jax.linear_transpose(lambda x: plain(x, weight, None), input)(cotangent)
-        (grad_weight,) = jax.linear_transpose(lambda w: plain(input, w, None), weight)(cotangent)
-        return grad_input, grad_weight
-
-    conv.defvjp(forward, backward)
     return conv(input, weight)
 
 
