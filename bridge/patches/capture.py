@@ -31,7 +31,7 @@ from bridge.runtime import capture, dispatch, optimizers
 from bridge.runtime.config import settings
 from bridge.runtime.tensor import BridgeTensor, read_value, root_of
 
-from . import Patch, custom_functions
+from . import Patch, bound_arguments, custom_functions
 
 # ---------------------------------------------------------------- module calls
 
@@ -299,17 +299,6 @@ def compile(model=None, *, fullgraph=False, dynamic=None, backend=None, mode=Non
 # ---------------------------------------------------------------- the arguments of a torch function
 
 
-@functools.lru_cache(maxsize=None)
-def _signature(function):
-    return inspect.signature(function)
-
-
-def _bind(wrapped, args, kwargs):
-    bound = _signature(wrapped).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return bound.arguments
-
-
 # ---------------------------------------------------------------- gradient clipping
 
 
@@ -337,7 +326,7 @@ def clip_grad_norm(wrapped, instance, args, kwargs):
     Folded into the optimizer's step when it can wait for it (optimizers.PendingClip)."""
     if not settings.capture:
         return wrapped(*args, **kwargs)
-    a = _bind(wrapped, args, kwargs)
+    a = bound_arguments(wrapped, args, kwargs)
     parameters = a["parameters"]
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
     grads = [p.grad for p in parameters if p.grad is not None]

@@ -19,30 +19,21 @@ models without a full-graph-compilable forward (`_can_compile_fullgraph`), and m
 host CPU. `BRIDGE_HF_STATIC_CACHE=0` turns this off.
 """
 
-import inspect
-
 import torch
 
-from bridge.patches import WhenImported
+from bridge.patches import WhenImported, bound_arguments
 from bridge.runtime import stats
 from bridge.runtime.config import settings
 from bridge.runtime.tensor import BridgeTensor
 
 _MODES = ("GREEDY_SEARCH", "SAMPLE")  # GenerationMode members whose caches are only appended to
 _made = {}  # id(cache) -> the cache: static caches made here, while their generate runs
-_signatures: dict = {}  # function -> its signature (inspect.signature took about 0.1 ms a call: a token's worth)
 
 
 def _arguments(wrapped, args, kwargs):
-    """The call's arguments by name (a bound method's without its instance), or None."""
-    function = getattr(wrapped, "__func__", wrapped)
-    signature = _signatures.get(function)
-    if signature is None:
-        signature = _signatures[function] = inspect.signature(function)
-    if function is not wrapped:
-        args = (None,) + tuple(args)  # the instance's place
+    """The call's arguments by name, or None where they do not fit (another HF version)."""
     try:
-        return signature.bind(*args, **kwargs).arguments
+        return bound_arguments(wrapped, args, kwargs)
     except TypeError:
         return None
 
@@ -62,12 +53,18 @@ def _applies(model, generation_config, model_kwargs, generation_mode):
     return isinstance(parameter, BridgeTensor)
 
 
+def _parts(cache):
+    """A cache's caches: an encoder-decoder's self- and cross-attention ones, else itself."""
+    if hasattr(cache, "self_attention_cache"):
+        return [cache.self_attention_cache, cache.cross_attention_cache]
+    return [cache]
+
+
 def _plain_static(cache):
     """Whether every layer of the cache (both of an encoder-decoder's) is a plain StaticLayer."""
     from transformers.cache_utils import StaticLayer
 
-    caches = [cache.self_attention_cache, cache.cross_attention_cache] if hasattr(cache, "self_attention_cache") else [cache]
-    return all(type(layer) is StaticLayer for part in caches for layer in getattr(part, "layers", [None]))
+    return all(type(layer) is StaticLayer for part in _parts(cache) for layer in getattr(part, "layers", [None]))
 
 
 def prepare_cache(wrapped, instance, args, kwargs):
@@ -82,12 +79,11 @@ def prepare_cache(wrapped, instance, args, kwargs):
     generation_config.cache_implementation = "static"  # generate's own copy of the config
     try:
         result = wrapped(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - HF refused a static cache for this model: its default, as asked
-        generation_config.cache_implementation = None
-        model_kwargs.pop("past_key_values", None)
-        return wrapped(*args, **kwargs)
-    cache = model_kwargs.get("past_key_values")
-    if cache is None or not _plain_static(cache):
+        cache = model_kwargs.get("past_key_values")
+        usable = cache is not None and _plain_static(cache)
+    except Exception:  # noqa: BLE001 - HF refused a static cache for this model
+        usable = False
+    if not usable:  # HF's default, as the call asked
         generation_config.cache_implementation = None
         model_kwargs.pop("past_key_values", None)
         return wrapped(*args, **kwargs)
@@ -124,7 +120,7 @@ def masks_for_generate(wrapped, instance, args, kwargs):
         return wrapped(*args, **kwargs)
     if mask is None:
         return None  # (the model's forward makes the causal mask of a call without one)
-    length = getattr(cache, "self_attention_cache", cache).layers[0].max_cache_len  # (plain StaticLayers: _plain_static)
+    length = _parts(cache)[0].layers[0].max_cache_len  # (plain StaticLayers: _plain_static)
     if not isinstance(length, int) or length < mask.shape[-1]:
         return wrapped(*args, **kwargs)
     return torch.nn.functional.pad(mask, (0, length - mask.shape[-1]))
@@ -144,9 +140,8 @@ def _dynamic_of(static):
 
 def _as_dynamic(cache):
     """The DynamicCache (or EncoderDecoderCache of them) holding a static cache's written positions."""
-    if hasattr(cache, "self_attention_cache"):
-        return type(cache)(_dynamic_of(cache.self_attention_cache), _dynamic_of(cache.cross_attention_cache))
-    return _dynamic_of(cache)
+    parts = [_dynamic_of(part) for part in _parts(cache)]
+    return type(cache)(*parts) if len(parts) > 1 else parts[0]
 
 
 _UTILS = "transformers.generation.utils"

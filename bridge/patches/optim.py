@@ -37,8 +37,8 @@ from bridge.runtime.tensor import (
     write_values,
 )
 
-from . import Patch
-from .capture import _bind, _clip_arguments, _clip_done, clip_in_place
+from . import Patch, bound_arguments
+from .capture import _clip_arguments, _clip_done, clip_in_place
 
 
 def group_tensors_by_device_and_dtype(wrapped, instance, args, kwargs):
@@ -252,7 +252,7 @@ class _AdamUpdate(_GroupUpdate):
 def adam(wrapped, instance, args, kwargs):
     if not settings.capture or settings.tracing:  # a traced step is torch's own, through the tables
         return wrapped(*args, **kwargs)
-    a = _bind(wrapped, args, kwargs)
+    a = bound_arguments(wrapped, args, kwargs)
     a, shards = _local_shards(a, ["grads", "exp_avgs", "exp_avg_sqs"] + (["max_exp_avg_sqs"] if a["amsgrad"] else []))
     params = a["params"]
     dtype = _uniform(params)
@@ -337,7 +337,7 @@ class _SGDUpdate(_GroupUpdate):
 def sgd(wrapped, instance, args, kwargs):
     if not settings.capture or settings.tracing:  # a traced step is torch's own, through the tables
         return wrapped(*args, **kwargs)
-    a = _bind(wrapped, args, kwargs)
+    a = bound_arguments(wrapped, args, kwargs)
     shards = False
     if all(buffer is not None for buffer in a["momentum_buffer_list"]):
         # (a first step's buffers are made by the update and put in the state: torch's DTensors)
