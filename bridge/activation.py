@@ -22,6 +22,7 @@ SURFACES = (
     "bridge.patches.errors",
     "bridge.patches.distributed",
     "bridge.patches.hf_generate",
+    "bridge.patches.hf_experts",
 )
 
 _PLATFORMS = {"auto": None, "cpu": "cpu", "gpu": "gpu", "cuda": "gpu", "tpu": "tpu"}

@@ -174,6 +174,28 @@ def _switch():
     return transformers.SwitchTransformersForConditionalGeneration(config)
 
 
+UNUSED_EXPERT = 3
+
+
+def _switch_routing_corners():
+    """A Switch model whose routing meets both corners HF's expert loop handles by its shapes:
+    expert 3 gets no token (its router logit is pushed down: its parameters get no gradient, and
+    AdamW skips them) and the others get more tokens than their capacity (2 a sequence: the rest
+    are dropped, and their rows get no expert's output)."""
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        num_experts=4, expert_capacity=2, encoder_sparse_step=1, decoder_sparse_step=1, router_jitter_noise=0.0,
+        router_bias=True, dropout_rate=0.0, relative_attention_num_buckets=8, relative_attention_max_distance=16,
+        pad_token_id=0, eos_token_id=2, decoder_start_token_id=0,
+    )  # fmt: skip
+    model = transformers.SwitchTransformersForConditionalGeneration(config)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, transformers.models.switch_transformers.modeling_switch_transformers.SwitchTransformersTop1Router):
+                module.classifier.bias[UNUSED_EXPERT] = -1e3
+    return model
+
+
 CASES = {
     "gpt2": Case(_gpt2, _causal_lm_inputs, why="Conv1D projections, learned positions, tied LM head"),
     "bert": Case(_bert, _masked_lm_inputs, why="padding mask, token types, masked LM loss with ignored labels"),
@@ -189,10 +211,14 @@ CASES = {
     "switch": Case(
         _switch,
         _seq2seq_inputs,
-        breaks="its experts' loop takes the tokens each expert was given (`torch.where` of the routing "
-        "mask): a shape that comes from the data, which no static program holds (torch.compile breaks there "
-        "too); the regions below it (attention, each expert) stay compiled",
-        why="top-1 routing with expert capacity, router z-loss and load-balancing loss",
+        why="top-1 routing with expert capacity, router z-loss and load-balancing loss (its expert loop, whose "
+        "shapes come from the data, traced with fixed ones: bridge/patches/hf_experts.py)",
+        default_llvm_level=True,
+    ),
+    "switch-routing-corners": Case(
+        _switch_routing_corners,
+        _seq2seq_inputs,
+        why="an expert given no token (no gradient for it) and tokens past the experts' capacity (dropped)",
         default_llvm_level=True,
     ),
 }
@@ -349,13 +375,37 @@ def test_model_trains_like_eager_torch(name, bridged):
         assert regions <= {f"{type(model).__name__} (train)", "AdamW.step"}, regions
 
 
+def test_switch_routing_corners_are_met_in_torch():
+    """The routing-corners case meets what it is there for, in plain torch: an expert gets no
+    token (so no gradient) and tokens go past the experts' capacity."""
+    torch.manual_seed(0)
+    model = _switch_routing_corners().train()
+    inputs = _seq2seq_inputs(torch.Generator().manual_seed(1))
+    routed, dropped = [], []
+
+    def count(module, args, output):
+        dispatch = output[0]  # one-hot (batch, length, experts), tokens past capacity all zero
+        routed.append(dispatch.sum(dim=(0, 1)))
+        dropped.append(int(dispatch.sum()) < dispatch.shape[0] * dispatch.shape[1])
+
+    router_type = transformers.models.switch_transformers.modeling_switch_transformers.SwitchTransformersTop1Router
+    for module in model.modules():
+        if isinstance(module, router_type):
+            module.register_forward_hook(count)
+    model(**inputs).loss.backward()
+    assert routed and all(int(counts[UNUSED_EXPERT]) == 0 for counts in routed)
+    assert all(dropped)
+    unused = [p.grad for name, p in model.named_parameters() if f"expert_{UNUSED_EXPERT}." in name]
+    assert unused and all(grad is None for grad in unused)
+
+
 # ---------------------------------------------------------------- generate with HF's default cache
 #
 # HF's default DynamicCache grows by torch.cat on every token (a new shape a token); under the
 # bridge such a call decodes with HF's StaticCache (bridge/patches/hf_generate.py): a bounded
 # number of programs, no break, torch's tokens and scores, and the DynamicCache torch returns.
 
-GENERATING = ["gpt2", "llama", "t5", "whisper", "mixtral"]
+GENERATING = ["gpt2", "llama", "t5", "whisper", "mixtral", "switch"]
 
 
 def _prompt(name, generator):

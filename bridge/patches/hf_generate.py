@@ -21,7 +21,7 @@ host CPU. `BRIDGE_HF_STATIC_CACHE=0` turns this off.
 
 import torch
 
-from bridge.patches import WhenImported, bound_arguments
+from bridge.patches import WhenImported, bound_arguments, hf_experts
 from bridge.runtime import stats
 from bridge.runtime.config import settings
 from bridge.runtime.tensor import BridgeTensor
@@ -47,7 +47,8 @@ def _applies(model, generation_config, model_kwargs, generation_mode):
         return False
     if getattr(generation_mode, "name", None) not in _MODES or getattr(generation_config, "prefill_chunk_size", None):
         return False
-    if not getattr(type(model), "_can_compile_fullgraph", False) or not model._supports_default_dynamic_cache():
+    compilable = getattr(type(model), "_can_compile_fullgraph", False) or hf_experts.traced_without_host_values(model)
+    if not compilable or not model._supports_default_dynamic_cache():
         return False
     parameter = next(model.parameters(), None)
     return isinstance(parameter, BridgeTensor)
