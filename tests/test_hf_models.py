@@ -399,6 +399,23 @@ def test_switch_routing_corners_are_met_in_torch():
     assert unused and all(grad is None for grad in unused)
 
 
+def test_switch_encoder_without_an_attention_mask_trains_in_one_program(bridged):
+    """Called without an attention mask, HF's Switch encoder makes an all-ones one in eager code
+    and skips it under a compiler, then indexes the None (a TypeError that broke the region, and
+    torch.compile's graph): in a trace the bridge hands it the mask its eager code makes."""
+    torch.manual_seed(0)
+    model = _switch().train()
+    reference_model = copy.deepcopy(model)
+    inputs = _seq2seq_inputs(torch.Generator().manual_seed(1))
+    del inputs["attention_mask"]
+    _, expected_losses, _, _ = _train(reference_model, inputs, "cpu")
+    capture.reset()
+    _, losses, _, _ = _train(model.to("cuda"), inputs, "cuda")
+    assert not capture.breaks, capture.breaks
+    assert {record.region for record in capture.compiles} <= {f"{type(model).__name__} (train)"}
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-6, atol=0)
+
+
 # ---------------------------------------------------------------- generate with HF's default cache
 #
 # HF's default DynamicCache grows by torch.cat on every token (a new shape a token); under the

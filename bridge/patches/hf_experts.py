@@ -20,7 +20,8 @@ which experts got tokens as host values, and its program is kept for that set (a
 batches route to every expert, so one program serves). Without gradients (generate, evaluation)
 every expert runs over its rows, and the set is not asked (no wait for the device).
 
-Eager runs (outside traces) take HF's own code.
+Eager runs (outside traces) take HF's own code. Also here: the all-ones attention mask HF's
+Switch encoder makes when called without one, which HF skips under compilers (`switch_stack`).
 """
 
 import sys
@@ -65,6 +66,25 @@ def switch_sparse_mlp(wrapped, instance, args, kwargs):
     return final.reshape(batch, length, width)
 
 
+def switch_stack(wrapped, instance, args, kwargs):
+    """SwitchTransformersStack.forward: in a trace, an encoder called without an attention mask
+    gets the all-ones mask HF's eager code makes. HF skips making it under a compiler
+    (`is_torchdynamo_compiling()`, true in the bridge's traces as under torch.compile) and then
+    indexes the None (`attention_mask[:, None, None, :]`), a TypeError that torch.compile meets
+    too."""
+    if not capture.tracing_or_learning() or getattr(instance, "is_decoder", True):
+        return wrapped(*args, **kwargs)
+    names = ("input_ids", "attention_mask", "encoder_hidden_states", "encoder_attention_mask", "inputs_embeds")
+    given = dict(zip(names, args), **kwargs)
+    if given.get("attention_mask") is not None or len(args) > len(names):
+        return wrapped(*args, **kwargs)
+    tokens = given.get("inputs_embeds") if given.get("input_ids") is None else given["input_ids"]
+    if tokens is None:
+        return wrapped(*args, **kwargs)  # HF's own error
+    given["attention_mask"] = torch.ones(tokens.shape[0], tokens.shape[1], device=tokens.device)
+    return wrapped(**given)
+
+
 def traced_without_host_values(model):
     """Whether this module makes `model`'s forward traceable as one program where HF says it is
     not (`_can_compile_fullgraph`): a Switch Transformers model."""
@@ -72,4 +92,7 @@ def traced_without_host_values(model):
     return module is not None and isinstance(model, module.SwitchTransformersPreTrainedModel)
 
 
-PATCHES = [WhenImported(_SWITCH, "SwitchTransformersSparseMLP", "forward", switch_sparse_mlp)]
+PATCHES = [
+    WhenImported(_SWITCH, "SwitchTransformersSparseMLP", "forward", switch_sparse_mlp),
+    WhenImported(_SWITCH, "SwitchTransformersStack", "forward", switch_stack),
+]
