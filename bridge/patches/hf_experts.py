@@ -7,18 +7,20 @@ expert on those rows. Both lengths come from the data, which no XLA program hold
 breaks there too, and HF marks the model not full-graph compilable), so the layer ran op by op
 with each expert a region of its own, compiled anew for every token count.
 
-In a captured trace the bridge runs the same layer with fixed shapes. The router already bounds
-each expert's tokens: at most `expert_capacity` per sequence (tokens past it are dropped). So each
-expert takes `batch x min(capacity, length)` rows: its routed tokens first, in their order (a
-stable sort of the routing mask), then others, whose results are set to -0.0 (which adds nothing,
-not even a sign) before `index_add_` puts the rows back, as HF's loop does. The sums each token
-gets are HF's.
+In a captured trace the bridge runs the experts' loop (`SwitchTransformersExperts.forward`,
+whose arguments every transformers version that has it shares) with fixed shapes. Each expert
+takes the same number of rows: its routed tokens first, in their order (a stable sort of the
+routing mask), then others, whose results are set to -0.0 (which adds nothing, not even a sign)
+before `index_add_` puts the rows back, as HF's loop does. The sums each token gets are HF's.
+The rows are the busiest expert's load rounded up to a power of two, a value the program is kept
+for (a guard: loads move within a power of two from batch to batch, so few programs serve), or
+every token where there are few and no gradient is computed (a decoding step).
 
 Which experts run is HF's too, where it shows: an expert that got no token gets no gradient (its
 parameters' `.grad` stays None, and AdamW skips them), so a trace that computes gradients asks
-which experts got tokens as host values, and its program is kept for that set (a guard; training
-batches route to every expert, so one program serves). Without gradients (generate, evaluation)
-every expert runs over its rows, and the set is not asked (no wait for the device).
+which experts got tokens as host values, and its program is kept for that set too (training
+batches route to every expert, so one program serves). Without gradients every expert runs over
+its rows, and the set is not asked.
 
 Eager runs (outside traces) take HF's own code. Also here: the all-ones attention mask HF's
 Switch encoder makes when called without one, which HF skips under compilers (`switch_stack`).
@@ -34,36 +36,54 @@ from bridge.runtime import capture
 _SWITCH = "transformers.models.switch_transformers.modeling_switch_transformers"
 
 
-def switch_sparse_mlp(wrapped, instance, args, kwargs):
-    """SwitchTransformersSparseMLP.forward, with fixed shapes in a trace (see the module)."""
-    if not capture.tracing_or_learning() or kwargs or len(args) != 1:
+# Tokens up to which a trace that computes no gradient runs every expert over every token, asking
+# nothing on the host: a decoding step's few tokens, where a guard on the experts' loads would
+# compile a program for each routing the steps meet.
+_DENSE_TOKENS = 16
+
+
+def _fits(instance, hidden, selected, weights):
+    experts = getattr(instance, "num_experts", None)
+    return (
+        isinstance(experts, int)
+        and all(isinstance(value, torch.Tensor) for value in (hidden, selected, weights))
+        and hidden.dim() == 2
+        and tuple(selected.shape) == (hidden.shape[0], 1, experts)
+        and tuple(weights.shape) == (hidden.shape[0], 1)
+        and all(f"expert_{index}" in instance for index in range(experts))
+    )
+
+
+def switch_experts(wrapped, instance, args, kwargs):
+    """SwitchTransformersExperts.forward(hidden_states, selected_experts, routing_weights), with
+    fixed shapes in a trace (see the module). Its arguments are the same in every transformers
+    version that has it: the tokens' states (tokens, width), the one-hot routing (tokens, 1,
+    experts) with tokens past capacity all zero, and each token's weight (tokens, 1)."""
+    if not capture.tracing_or_learning() or kwargs or len(args) != 3 or not _fits(instance, *args):
         return wrapped(*args, **kwargs)
-    router, experts = getattr(instance, "router", None), getattr(instance, "experts", None)
-    module = sys.modules[_SWITCH]  # (patched once imported)
-    if type(router) is not module.SwitchTransformersTop1Router or type(experts) is not module.SwitchTransformersExperts:
-        return wrapped(*args, **kwargs)  # a subclass may route otherwise
-    (hidden_states,) = args
-    batch, length, width = hidden_states.shape
-    selected, weights, _ = router(hidden_states)
-    hidden = hidden_states.view(-1, width)
-    selected = selected.view(-1, router.num_experts) > 0
-    weights = weights.view(-1, 1)
-    rows = min(batch * min(router.expert_capacity, length), hidden.shape[0])
-    if torch.is_grad_enabled():
-        taken = [bool(flag) for flag in selected.any(dim=0)]  # host values: the program's guard
-    else:
-        taken = [True] * router.num_experts
+    hidden, selected, weights = args
+    tokens = hidden.shape[0]
+    routed = selected[:, 0, :] > 0  # (tokens, experts)
+    loads = routed.sum(dim=0)
+    gradients = torch.is_grad_enabled()
+    # Host values (the program is kept for them: a guard): which experts got tokens, where
+    # gradients are computed, and the load of the busiest expert, to the next power of two.
+    taken = [bool(flag) for flag in loads > 0] if gradients else [True] * instance.num_experts
+    rows = tokens
+    if gradients or tokens > _DENSE_TOKENS:
+        exponent = int(torch.ceil(torch.log2(loads.max().clamp(min=1).to(torch.float32))).to(torch.int64))
+        rows = min(tokens, 2**exponent)
     final = torch.zeros_like(hidden)
     nothing = torch.full((), -0.0, dtype=hidden.dtype, device=hidden.device)
     for index, expert_taken in enumerate(taken):
         if not expert_taken:
             continue
-        routed = selected[:, index]
-        order = torch.argsort((~routed).to(torch.uint8), stable=True)[:rows]  # its tokens first, in order
-        outputs = experts[f"expert_{index}"](hidden[order]) * weights[order]
-        outputs = torch.where(routed[order, None], outputs.to(hidden.dtype), nothing)
+        mask = routed[:, index]
+        order = torch.argsort((~mask).to(torch.uint8), stable=True)[:rows]  # its tokens first, in order
+        outputs = instance[f"expert_{index}"](hidden[order]) * weights[order]
+        outputs = torch.where(mask[order, None], outputs.to(hidden.dtype), nothing)
         final.index_add_(0, order, outputs)
-    return final.reshape(batch, length, width)
+    return final
 
 
 def switch_stack(wrapped, instance, args, kwargs):
@@ -93,6 +113,6 @@ def traced_without_host_values(model):
 
 
 PATCHES = [
-    WhenImported(_SWITCH, "SwitchTransformersSparseMLP", "forward", switch_sparse_mlp),
+    WhenImported(_SWITCH, "SwitchTransformersExperts", "forward", switch_experts),
     WhenImported(_SWITCH, "SwitchTransformersStack", "forward", switch_stack),
 ]
