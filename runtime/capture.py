@@ -54,6 +54,9 @@ from .tensor import BridgeTensor, read_value, root_of, when_freed, write_value
 
 # Programs kept per region before it is left to run eagerly (torch.compile's cache_size_limit).
 MAX_PROGRAMS = 8
+# Programs kept per call structure for different values needed on the host (guards), as
+# torch.compile keeps a code object's compiled entries up to its cache size limit (8).
+MAX_VARIANTS = 8
 # Traces redone to take in tensors found from outside the region.
 MAX_RETRACES = 3
 # Eager runs of a region to learn the values its code needs on the host (Region._learn).
@@ -1340,7 +1343,11 @@ class Region:
         self.last_key = None
         self._state_cache = None
         self.learned = {}  # call structure -> the values its code needed on the host (_learn)
-        self.learns = 0
+        # key -> {the host values a program was traced with: that program}, the last few of each
+        # key: values that come back (an expert's load crossing a power of two and back) run
+        # the program kept for them instead of an eager run and a new trace.
+        self.variants = {}
+        self.learns = 0  # value sets learned that no kept program was traced with
         self.changes = 0  # calls in a row that changed an argument object's attributes
         self.eager_first = [0, 0.0]  # calls run eagerly because their trace raised EagerRunFirst, their seconds
 
@@ -1388,6 +1395,16 @@ class Region:
             self.changes = 1 if program.reshaped else 0
             return result
         except _GuardFailed as failed:
+            kept = self.variants.get(key, {}).get(failed.args[0])
+            if kept is not None and kept is not program:
+                # Traced with the values this run found: its own guards check them again.
+                self.programs[key] = kept
+                try:
+                    result = run(kept, inputs, objects)
+                    self.changes = 1 if kept.reshaped else 0
+                    return result
+                except _GuardFailed as again:
+                    failed = again
             del self.programs[key]
             return self._learn(key, failed, args, kwargs)
 
@@ -1529,6 +1546,12 @@ class Region:
         else:
             raise GraphBreak("the region keeps reading new tensors from outside it")
         self.programs[key] = program
+        if program.expected:
+            variants = self.variants.setdefault(key, {})
+            variants.pop(program.expected, None)
+            variants[program.expected] = program
+            while len(variants) > MAX_VARIANTS:
+                del variants[next(iter(variants))]  # the oldest
         self.last_key = key
         _collect_after(time.perf_counter() - start)
         compiles.append(Compile(self.name, reason, time.perf_counter() - start))

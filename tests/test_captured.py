@@ -266,10 +266,12 @@ def test_values_library_code_needs_on_the_host_are_kept_in_the_program(captured)
     assert "value(s) needed on the host, from an eager run" in record.reason, record
 
 
-def test_a_changed_host_value_reruns_the_call_and_relearns(captured):
-    """A branch on a data-dependent bool: a run whose bool differs from the one traced is redone
-    op by op (its results and state writes dropped) and the region learns the new value; after
-    a few changes the region breaks. Every call gives torch's result."""
+def test_a_changed_host_value_reruns_the_call_with_the_program_for_it(captured):
+    """A branch on a data-dependent bool: a run whose bool differs from the one traced has its
+    results and state writes dropped, and the call runs again: op by op the first time a value
+    is met (the region learns it, and its next call traces a program for it), else with the
+    program kept for that value (as torch.compile keeps a guarded entry per value). Every call
+    gives torch's result; two programs serve both branches, with no break."""
 
     class Branchy(torch.nn.Module):
         def __init__(self):
@@ -292,6 +294,29 @@ def test_a_changed_host_value_reruns_the_call_and_relearns(captured):
     # BatchNorm's running statistics were updated once per call, as in torch
     torch.testing.assert_close(model.bn.running_mean.cpu(), reference.bn.running_mean, rtol=1e-5, atol=1e-6)
     assert model.bn.num_batches_tracked.item() == len(signs)
+    assert not capture.breaks, capture.breaks
+    assert len(_regions("Branchy")) == 2  # one program per branch
+
+
+def test_a_host_value_new_on_every_call_breaks_the_region(captured):
+    """A value needed on the host that is new on every call (a count from the data): each one
+    learned costs an eager run and a trace, so after a few the region breaks, saying why. Every
+    call gives torch's result."""
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.fc(x) * int((x > 0).sum().item())
+
+    torch.manual_seed(0)
+    reference, model = _pair(Counting())
+    for count in range(1, 9):
+        x = torch.full((2, 4), -1.0)
+        x.view(-1)[:count] = 1.0
+        torch.testing.assert_close(model(x.cuda()).cpu(), reference(x), rtol=1e-5, atol=1e-5)
     (record,) = capture.breaks
     assert "changed 4 times" in record.reason, record
 

@@ -12,20 +12,23 @@ whose arguments every transformers version that has it shares) with fixed shapes
 takes the same number of rows: its routed tokens first, in their order (a stable sort of the
 routing mask), then others, whose results are set to -0.0 (which adds nothing, not even a sign)
 before `index_add_` puts the rows back, as HF's loop does. The sums each token gets are HF's.
-The rows are the busiest expert's load rounded up to a power of two, a value the program is kept
-for (a guard: loads move within a power of two from batch to batch, so few programs serve), or
-every token where there are few and no gradient is computed (a decoding step).
+The router bounds an expert's tokens by its capacity per sequence, so the rows are `batch x
+min(capacity, length)`; whether an expert got more (transformers 5.17's router routes the
+flattened tokens and counts along a dimension of one, so its capacity never binds) is asked as
+a host value, a guard the program is kept for, and then every token is a row.
 
 Which experts run is HF's too, where it shows: an expert that got no token gets no gradient (its
 parameters' `.grad` stays None, and AdamW skips them), so a trace that computes gradients asks
 which experts got tokens as host values, and its program is kept for that set too (training
 batches route to every expert, so one program serves). Without gradients every expert runs over
-its rows, and the set is not asked.
+its rows, and the set is not asked. Programs for sets that come back are kept (runtime.capture's
+variants).
 
 Eager runs (outside traces) take HF's own code. Also here: the all-ones attention mask HF's
 Switch encoder makes when called without one, which HF skips under compilers (`switch_stack`).
 """
 
+import contextvars
 import sys
 
 import torch
@@ -36,10 +39,22 @@ from bridge.runtime import capture
 _SWITCH = "transformers.models.switch_transformers.modeling_switch_transformers"
 
 
-# Tokens up to which a trace that computes no gradient runs every expert over every token, asking
-# nothing on the host: a decoding step's few tokens, where a guard on the experts' loads would
-# compile a program for each routing the steps meet.
-_DENSE_TOKENS = 16
+# The (batch, length, capacity) of the sparse MLP call whose experts run now, in a trace.
+_routing = contextvars.ContextVar("switch_routing", default=None)
+
+
+def switch_sparse_mlp(wrapped, instance, args, kwargs):
+    """SwitchTransformersSparseMLP.forward: HF's own, with the call's batch, length and expert
+    capacity known to its experts' loop (which sees the tokens flattened) in a trace."""
+    hidden_states = args[0] if args else kwargs.get("hidden_states")
+    capacity = getattr(getattr(instance, "router", None), "expert_capacity", None)
+    if not capture.tracing_or_learning() or not isinstance(capacity, int) or getattr(hidden_states, "dim", lambda: 0)() != 3:
+        return wrapped(*args, **kwargs)
+    token = _routing.set((hidden_states.shape[0], hidden_states.shape[1], capacity))
+    try:
+        return wrapped(*args, **kwargs)
+    finally:
+        _routing.reset(token)
 
 
 def _fits(instance, hidden, selected, weights):
@@ -65,14 +80,17 @@ def switch_experts(wrapped, instance, args, kwargs):
     tokens = hidden.shape[0]
     routed = selected[:, 0, :] > 0  # (tokens, experts)
     loads = routed.sum(dim=0)
-    gradients = torch.is_grad_enabled()
-    # Host values (the program is kept for them: a guard): which experts got tokens, where
-    # gradients are computed, and the load of the busiest expert, to the next power of two.
-    taken = [bool(flag) for flag in loads > 0] if gradients else [True] * instance.num_experts
+    # Host values, which the program is kept for (guards): which experts got tokens, where
+    # gradients are computed; whether an expert got more tokens than capacity allows (HF's
+    # routers before capacity counted per sequence let them: then every token is a row).
+    taken = [bool(flag) for flag in loads > 0] if torch.is_grad_enabled() else [True] * instance.num_experts
     rows = tokens
-    if gradients or tokens > _DENSE_TOKENS:
-        exponent = int(torch.ceil(torch.log2(loads.max().clamp(min=1).to(torch.float32))).to(torch.int64))
-        rows = min(tokens, 2**exponent)
+    routing = _routing.get()
+    if routing is not None and routing[0] * routing[1] == tokens:
+        batch, length, capacity = routing
+        bound = batch * min(capacity, length)
+        if bound < tokens and not bool(loads.max() > bound):
+            rows = bound
     final = torch.zeros_like(hidden)
     nothing = torch.full((), -0.0, dtype=hidden.dtype, device=hidden.device)
     for index, expert_taken in enumerate(taken):
@@ -113,6 +131,7 @@ def traced_without_host_values(model):
 
 
 PATCHES = [
+    WhenImported(_SWITCH, "SwitchTransformersSparseMLP", "forward", switch_sparse_mlp),
     WhenImported(_SWITCH, "SwitchTransformersExperts", "forward", switch_experts),
     WhenImported(_SWITCH, "SwitchTransformersStack", "forward", switch_stack),
 ]
