@@ -50,19 +50,20 @@ class ProgramRow:
 PROGRAM_ROWS = (
     ProgramRow(
         "nanoGPT `bench.py` (GPT-2 small, bf16, `AdamW(fused=True)`, two parameter groups)",
-        "real_programs_h200_2026-11-27_facts_2",
+        "real_programs_h200_2026-11-28_nanogpt_trainer",
         "nanogpt-bench",
     ),
+    ProgramRow("nanoGPT `bench.py`, another run", "real_programs_h200_2026-11-27_facts_2", "nanogpt-bench"),
     ProgramRow("nanoGPT `bench.py`, another run", "real_programs_h200_2026-11-27_deferred_updates", "nanogpt-bench"),
     ProgramRow(
         "HF `Trainer` defaults, GPT-2 6x768 from a config, batch 8x512",
-        "real_programs_h200_2026-11-27_facts_2",
+        "real_programs_h200_2026-11-28_nanogpt_trainer",
         "hf-trainer",
     ),
+    ProgramRow("HF `Trainer`, another run", "real_programs_h200_2026-11-27_facts_2", "hf-trainer"),
     ProgramRow("HF `Trainer`, another run", "real_programs_h200_2026-11-28_generate_default_cache", "hf-trainer"),
-    ProgramRow(
-        "timm `vit_small_patch16_224` training, bf16, AdamW", "real_programs_h200_2026-11-27_generate_vit", "vit"
-    ),
+    ProgramRow("timm `vit_small_patch16_224` training, bf16, AdamW", "real_programs_h200_2026-11-28_generate_vit", "vit"),
+    ProgramRow("timm `vit_small_patch16_224`, another run", "real_programs_h200_2026-11-27_generate_vit", "vit"),
     ProgramRow("timm `vit_small_patch16_224`, another run", "real_programs_h200_2026-11-28_timm_convnext_vit", "vit"),
     ProgramRow(
         "timm `convnext_tiny` training, bf16, AdamW", "real_programs_h200_2026-11-28_narrow_conv_gradients", "convnext"
@@ -75,6 +76,12 @@ PROGRAM_ROWS = (
     ProgramRow(
         "HF `generate`, GPT-2 12x768, greedy, 128 new tokens, generate's default cache (the bridge decodes "
         "with HF's static cache; torch.compile: HF's static cache, compiled)",
+        "real_programs_h200_2026-11-28_generate_vit",
+        "generate",
+    ),
+    ProgramRow("HF `generate`, default cache, another run", "real_programs_h200_2026-11-28_generate_in_program_mask", "generate"),
+    ProgramRow(
+        "HF `generate`, default cache, before HF's mask was built inside the decoding program",
         "real_programs_h200_2026-11-28_generate_default_cache",
         "generate",
     ),
