@@ -29,7 +29,7 @@ import torch
 from bridge import whole_module
 from bridge.runtime import capture, dispatch, optimizers
 from bridge.runtime.config import settings
-from bridge.runtime.tensor import BridgeTensor, read_value, root_of
+from bridge.runtime.tensor import BridgeTensor, read_value, read_values, root_of
 
 from . import Patch, bound_arguments, custom_functions
 
@@ -362,6 +362,10 @@ def _can_wait(grads):
 def _clip_arguments(grads):
     """The gradient values and clip arguments of an update program for these gradients: a clip
     they all wait for is computed by the update (or its known coefficient applied)."""
+    if grads and root_of(grads[0])._pending is None:
+        # Neither a clip nor DDP's average waits (each is every gradient's pending work): the
+        # common step, whose checks of every gradient are skipped.
+        return None, read_values(grads), (None, None), {}
     clip = optimizers.PendingClip.of(grads)
     if clip is None:
         return clip, optimizers.gradient_values(grads), (None, None), {}
