@@ -1344,8 +1344,9 @@ class Region:
         self._state_cache = None
         self.learned = {}  # call structure -> the values its code needed on the host (_learn)
         # key -> {the host values a program was traced with: that program}, the last few of each
-        # key: values that come back (an expert's load crossing a power of two and back) run
-        # the program kept for them instead of an eager run and a new trace.
+        # key: values that come back (a branch that alternates; which experts got tokens, as it
+        # changes and changes back) run the program kept for them instead of an eager run and a
+        # new trace.
         self.variants = {}
         self.learns = 0  # value sets learned that no kept program was traced with
         self.changes = 0  # calls in a row that changed an argument object's attributes
