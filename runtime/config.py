@@ -24,6 +24,9 @@ class Settings:
         # HF `generate` left to its default cache decodes with HF's StaticCache instead of the
         # DynamicCache that grows every token (bridge/patches/hf_generate.py).
         self.hf_static_cache = os.environ.get("BRIDGE_HF_STATIC_CACHE", "1") != "0"
+        # HF Switch Transformers' experts traced with fixed shapes (bridge/patches/hf_experts.py);
+        # off, their loop breaks the region as before.
+        self.hf_fixed_experts = os.environ.get("BRIDGE_HF_FIXED_EXPERTS", "1") != "0"
         # Execution mode: "captured" (regions run as compiled programs) or "eager" (op by op).
         self.mode = os.environ.get("BRIDGE_MODE", "captured")
         # Depth of region traces in progress (runtime/capture.py); table entries then run inline.

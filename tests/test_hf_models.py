@@ -422,6 +422,24 @@ def test_switch_encoder_without_an_attention_mask_trains_in_one_program(bridged)
     torch.testing.assert_close(losses, expected_losses, rtol=1e-6, atol=0)
 
 
+def test_switch_experts_left_to_hf_break_the_region_as_torch_compile_breaks(bridged, monkeypatch):
+    """BRIDGE_HF_FIXED_EXPERTS=0 leaves Switch's expert loop to HF's code in traces too: its shapes
+    from the data break the model's region (as torch.compile's graph breaks there), the rest of
+    the model stays compiled below it, and the numbers are torch's."""
+    from bridge.runtime.config import settings
+
+    monkeypatch.setattr(settings, "hf_fixed_experts", False)
+    torch.manual_seed(0)
+    model = _switch().train()
+    reference_model = copy.deepcopy(model)
+    inputs = _seq2seq_inputs(torch.Generator().manual_seed(1))
+    _, expected_losses, _, _ = _train(reference_model, inputs, "cpu")
+    capture.reset()
+    _, losses, _, _ = _train(model.to("cuda"), inputs, "cuda")
+    assert capture.breaks and all(record.region.startswith("Switch") for record in capture.breaks)
+    torch.testing.assert_close(losses, expected_losses, rtol=1e-6, atol=0)
+
+
 # ---------------------------------------------------------------- generate with HF's default cache
 #
 # HF's default DynamicCache grows by torch.cat on every token (a new shape a token); under the

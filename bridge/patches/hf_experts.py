@@ -24,7 +24,10 @@ batches route to every expert, so one program serves). Without gradients every e
 its rows, and the set is not asked. Programs for sets that come back are kept (runtime.capture's
 variants).
 
-Eager runs (outside traces) take HF's own code. Also here: the all-ones attention mask HF's
+Eager runs (outside traces) take HF's own code, and so does every run with
+`BRIDGE_HF_FIXED_EXPERTS=0`: for training from scratch at full size, where which experts get
+tokens keeps changing at first, and each new set recompiles
+(benchmarks/results/hf_switch_train_2026-11-28.md). Also here: the all-ones attention mask HF's
 Switch encoder makes when called without one, which HF skips under compilers (`switch_stack`).
 """
 
@@ -35,6 +38,7 @@ import torch
 
 from bridge.patches import WhenImported
 from bridge.runtime import capture
+from bridge.runtime.config import settings
 
 _SWITCH = "transformers.models.switch_transformers.modeling_switch_transformers"
 
@@ -74,7 +78,9 @@ def switch_experts(wrapped, instance, args, kwargs):
     fixed shapes in a trace (see the module). Its arguments are the same in every transformers
     version that has it: the tokens' states (tokens, width), the one-hot routing (tokens, 1,
     experts) with tokens past capacity all zero, and each token's weight (tokens, 1)."""
-    if not capture.tracing_or_learning() or kwargs or len(args) != 3 or not _fits(instance, *args):
+    if not settings.hf_fixed_experts or not capture.tracing_or_learning() or kwargs or len(args) != 3:
+        return wrapped(*args, **kwargs)
+    if not _fits(instance, *args):
         return wrapped(*args, **kwargs)
     hidden, selected, weights = args
     tokens = hidden.shape[0]
@@ -127,7 +133,7 @@ def traced_without_host_values(model):
     """Whether this module makes `model`'s forward traceable as one program where HF says it is
     not (`_can_compile_fullgraph`): a Switch Transformers model."""
     module = sys.modules.get(_SWITCH)
-    return module is not None and isinstance(model, module.SwitchTransformersPreTrainedModel)
+    return settings.hf_fixed_experts and module is not None and isinstance(model, module.SwitchTransformersPreTrainedModel)
 
 
 PATCHES = [
