@@ -116,6 +116,16 @@ def tracing():
     return _trace is not None
 
 
+def gradient_only_where(flag, tensors):
+    """In a trace: the region's gradients for `tensors` (its parameters) are given only where the
+    traced 0-dim bool `flag` comes out true in a run; where it is false the region's backward
+    gives them None, as torch's autograd does for parameters that took no part in a call (an
+    expert that got no token, whose loop iteration torch never ran). The program returns the
+    flag beside its guards. Outside traces: nothing."""
+    if _trace is not None:
+        _trace.presence.append((read_value(flag).reshape(()), list(tensors)))
+
+
 class _Trace:
     """Bookkeeping of one trace: which roots are state, which outside roots were touched."""
 
@@ -125,6 +135,7 @@ class _Trace:
         self.learned = learned  # the values the region's code needed on the host, as learned
         self.position = 0  # how many of them this trace has asked for
         self.guards = []  # the traced values it took learned values for (the program returns them)
+        self.presence = []  # (traced bool, tensors): gradient_only_where's, in order
         self.expected = []  # the learned value of each
 
     def host_value(self, plan, args, kwargs):
@@ -445,6 +456,7 @@ class Program:
     mutated_roots = property(lambda self: self.traced.mutated_roots)
     mutated_inputs = property(lambda self: self.traced.mutated_inputs)
     expected = property(lambda self: self.traced.expected)
+    presence = property(lambda self: self.traced.presence)
     reshaped = property(lambda self: self.traced.reshaped)
     stored = property(lambda self: self.traced.stored)
 
@@ -463,6 +475,7 @@ class Traced:
     mutated_roots: tuple  # positions of the state roots the body writes
     mutated_inputs: tuple  # positions of the input tensors it writes
     expected: tuple  # the host values the trace took as learned (its guards'), in order
+    presence: tuple  # per gradient_only_where call: the positions of its tensors' roots
     reshaped: dict  # per carried object the call changes: its state after the call (_Reshaped)
     stored: tuple  # the tensors the forward stores on its modules (_Stored), outputs after the result's
 
@@ -616,13 +629,18 @@ def _trace_body(function, program, watched=None):
                 ),
                 mutated_inputs=tuple(position for position, tensor in enumerate(inputs) if tensor._generation != 0),
                 expected=tuple(trace.expected),
+                presence=tuple(
+                    tuple(places[id(root_of(tensor))] for tensor in tensors if id(root_of(tensor)) in places)
+                    for places in [{id(root): position for position, root in enumerate(roots)}]
+                    for _, tensors in trace.presence
+                ),
                 reshaped=reshaped_objects,
                 stored=tuple(kept),
             )
             mutated = [roots[position]._value for position in traced.mutated_roots]
             written = [read_value(inputs[position]) for position in traced.mutated_inputs]
             body.traced = traced
-            return arrays, mutated, written, random.current_key(), trace.guards
+            return arrays, mutated, written, random.current_key(), trace.guards + [flag for flag, _ in trace.presence]
         finally:
             torch.clear_autocast_cache()
             trace.restore_free()
@@ -783,13 +801,30 @@ def _reach(jaxpr, program):
     return reach
 
 
-def _gradients_out(program, given, values, index):
+def _gradients_out(program, given, values, index, absent=frozenset()):
     """Region gradients for torch: None for a differentiated value no output with a gradient
-    reaches (torch leaves such a parameter's `.grad` None), a tensor for the others."""
+    reaches (torch leaves such a parameter's `.grad` None), or that the run marked absent
+    (`gradient_only_where`), a tensor for the others."""
     reached = frozenset().union(*(program.reach[position] for position in given)) if program.reach else None
     return [
-        BridgeTensor(value, index) if reached is None or k in reached else None for k, value in enumerate(values)
+        BridgeTensor(value, index) if (reached is None or k in reached) and k not in absent else None
+        for k, value in enumerate(values)
     ]
+
+
+def _absent(program, present):
+    """The positions among a region's gradients that this run's gradient_only_where flags marked
+    absent (a differentiated root's: its place in program.diff_roots)."""
+    if not present or not program.presence:
+        return frozenset()
+    places = {position: k for k, position in enumerate(program.diff_roots)}
+    return frozenset(
+        places[position]
+        for flag, positions in zip(present, program.presence)
+        if not flag
+        for position in positions
+        if position in places
+    )
 
 
 def _owner_gradients(program, values):
@@ -985,10 +1020,12 @@ def _check_guards(program, guards):
     """Before a run's results are used: the values its code needed on the host must be those it
     was traced with (one small copy to the host, which waits for the program)."""
     if not guards:
-        return
+        return ()
     found = tuple(value.item() for value in jax.device_get(guards))
-    if found != program.expected:
-        raise _GuardFailed(found)
+    count = len(program.expected)
+    if found[:count] != program.expected:
+        raise _GuardFailed(found[:count])
+    return found[count:]  # gradient_only_where's flags
 
 
 def _returned(program, leaves, objects, inputs):
@@ -1060,7 +1097,7 @@ class _RegionFunction(torch.autograd.Function):
                 program.backward_ahead = False
                 _compile_backward(program, primals)
             floats, (others, mutated, written, new_key, guards), ctx.residuals = program.forward(*primals)
-        _check_guards(program, guards)
+        ctx.present = _check_guards(program, guards)
         _write_back(program, state["inputs"], mutated, written, new_key)
         floats, others = iter(floats), iter(others)
         arrays = [next(floats) if is_float else next(others) for is_float in program.out_float]
@@ -1166,7 +1203,7 @@ def _region_backward(ctx, primals, grads):
             shape, dtype = ctx.float_avals[program.speculate]
             d_roots, d_inputs = _scale(ctx.gradients, read_value(_gradient(grad, shape, dtype, index)))
         values = _torch_convention(list(d_roots) + list(d_inputs))
-        return (None, None, *_gradients_out(program, given, values, index))
+        return (None, None, *_gradients_out(program, given, values, index, _absent(program, ctx.present)))
     grads = [_gradient(grad, shape, dtype, index) for grad, (shape, dtype) in zip(grads, ctx.float_avals)]
     if torch.is_grad_enabled():
         # create_graph=True: the gradients need a graph of their own (double backward).
@@ -1184,7 +1221,7 @@ def _region_backward(ctx, primals, grads):
         if len(given) == 1 and ctx.float_avals[given[0]][0] == () and program.speculate is None:
             program.speculate = given[0]
     values = _torch_convention(list(d_roots) + list(d_inputs))
-    return (None, None, *_gradients_out(program, given, values, index))
+    return (None, None, *_gradients_out(program, given, values, index, _absent(program, ctx.present)))
 
 
 def mark_ones(tensor):

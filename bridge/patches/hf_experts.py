@@ -17,17 +17,15 @@ min(capacity, length)`; whether an expert got more (transformers 5.17's router r
 flattened tokens and counts along a dimension of one, so its capacity never binds) is asked as
 a host value, a guard the program is kept for, and then every token is a row.
 
-Which experts run is HF's too, where it shows: an expert that got no token gets no gradient (its
-parameters' `.grad` stays None, and AdamW skips them), so a trace that computes gradients asks
-which experts got tokens as host values, and its program is kept for that set too (training
-batches route to every expert, so one program serves). Without gradients every expert runs over
-its rows, and the set is not asked. Programs for sets that come back are kept (runtime.capture's
-variants).
+Every expert runs in the program, yet which ones got tokens still shows as in HF's loop: an
+expert that got no token gets no gradient (its parameters' `.grad` stays None, and AdamW skips
+them). The program returns each expert's "got tokens" flag beside its results, and the region's
+backward gives None for the parameters of those whose flag is false
+(`runtime.capture.gradient_only_where`). So the set never decides the program: at the start of
+training from scratch, it changes from step to step (benchmarks/results/hf_switch_train_2026-11-28.md).
 
 Eager runs (outside traces) take HF's own code, and so does every run with
-`BRIDGE_HF_FIXED_EXPERTS=0`: for training from scratch at full size, where which experts get
-tokens keeps changing at first, and each new set recompiles
-(benchmarks/results/hf_switch_train_2026-11-28.md). Also here: the all-ones attention mask HF's
+`BRIDGE_HF_FIXED_EXPERTS=0`. Also here: the all-ones attention mask HF's
 Switch encoder makes when called without one, which HF skips under compilers (`switch_stack`).
 """
 
@@ -86,11 +84,19 @@ def switch_experts(wrapped, instance, args, kwargs):
     tokens = hidden.shape[0]
     routed = selected[:, 0, :] > 0  # (tokens, experts)
     loads = routed.sum(dim=0)
-    # Host values, which the program is kept for (guards): which experts got tokens, where
-    # gradients are computed; whether an expert got more tokens than capacity allows (HF's
-    # routers before capacity counted per sequence let them: then every token is a row).
-    taken = [bool(flag) for flag in loads > 0] if torch.is_grad_enabled() else [True] * instance.num_experts
+    if torch.is_grad_enabled() and not capture.tracing():
+        # The eager run that learns the region's host values: the experts that got tokens run,
+        # as in HF's loop (the others get no gradient from torch's autograd); read without
+        # being recorded, since the trace does not ask for them.
+        taken = [count > 0 for count in loads.tolist()]
+    else:
+        # Every expert runs; in a trace that computes gradients, those of an expert that got no
+        # token are dropped by the region's backward where its flag is false (as torch's loop
+        # leaves them None), so which experts got tokens never decides the program.
+        taken = [True] * instance.num_experts
     rows = tokens
+    # A host value the program is kept for (a guard): whether an expert got more tokens than
+    # capacity allows (transformers 5.17's router lets them: then every token is a row).
     routing = _routing.get()
     if routing is not None and routing[0] * routing[1] == tokens:
         batch, length, capacity = routing
@@ -103,8 +109,11 @@ def switch_experts(wrapped, instance, args, kwargs):
         if not expert_taken:
             continue
         mask = routed[:, index]
+        expert = instance[f"expert_{index}"]
+        if torch.is_grad_enabled():
+            capture.gradient_only_where(loads[index] > 0, expert.parameters())
         order = torch.argsort((~mask).to(torch.uint8), stable=True)[:rows]  # its tokens first, in order
-        outputs = instance[f"expert_{index}"](hidden[order]) * weights[order]
+        outputs = expert(hidden[order]) * weights[order]
         outputs = torch.where(mask[order, None], outputs.to(hidden.dtype), nothing)
         final.index_add_(0, order, outputs)
     return final
