@@ -298,6 +298,44 @@ def test_a_changed_host_value_reruns_the_call_with_the_program_for_it(captured):
     assert len(_regions("Branchy")) == 2  # one program per branch
 
 
+def test_parameters_a_call_did_not_use_get_no_gradient_without_a_new_program(captured):
+    """A fixed-shape trace of a branch that uses some parameters only for some data (as the
+    bridge traces Switch's experts): the parameters' gradients are marked present only where a
+    traced flag holds (`capture.gradient_only_where`), so a call whose data leaves them unused
+    gives them no gradient (`.grad` None, as torch's branch does), from the same program."""
+
+    class Gated(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(4, 4)
+            self.b = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            used = (x[:, 0] > 0).any()
+            if capture.tracing():
+                capture.gradient_only_where(used, self.b.parameters())
+                return self.a(x) + torch.where(used, self.b(x), torch.zeros(()))
+            return self.a(x) + self.b(x) if used else self.a(x)
+
+    torch.manual_seed(0)
+    reference, model = _pair(Gated())
+    for sign in [1, -1, 1, -1, -1]:
+        x = torch.randn(3, 4)
+        x[:, 0] = x[:, 0].abs() * sign
+        for module in (reference, model):
+            module.zero_grad(set_to_none=True)
+        reference(x).square().sum().backward()
+        model(x.cuda()).square().sum().backward()
+        for (name, expected), actual in zip(reference.named_parameters(), model.parameters()):
+            if expected.grad is None:
+                assert actual.grad is None, f"{name}: torch gives no gradient, the bridge one"
+            else:
+                torch.testing.assert_close(actual.grad.cpu(), expected.grad, rtol=1e-5, atol=1e-6)
+        assert (model.b.weight.grad is None) == (sign < 0)
+    assert not capture.breaks, capture.breaks
+    assert len(_regions("Gated")) == 1
+
+
 def test_a_host_value_new_on_every_call_breaks_the_region(captured):
     """A value needed on the host that is new on every call (a count from the data): each one
     learned costs an eager run and a trace, so after a few the region breaks, saying why. Every
