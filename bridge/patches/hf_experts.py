@@ -50,7 +50,8 @@ def switch_sparse_mlp(wrapped, instance, args, kwargs):
     capacity known to its experts' loop (which sees the tokens flattened) in a trace."""
     hidden_states = args[0] if args else kwargs.get("hidden_states")
     capacity = getattr(getattr(instance, "router", None), "expert_capacity", None)
-    if not capture.tracing_or_learning() or not isinstance(capacity, int) or getattr(hidden_states, "dim", lambda: 0)() != 3:
+    shaped = isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3  # (batch, length, width)
+    if not capture.tracing_or_learning() or not isinstance(capacity, int) or not shaped:
         return wrapped(*args, **kwargs)
     token = _routing.set((hidden_states.shape[0], hidden_states.shape[1], capacity))
     try:
@@ -138,9 +139,9 @@ def switch_stack(wrapped, instance, args, kwargs):
     return wrapped(**given)
 
 
-def traced_without_host_values(model):
-    """Whether this module makes `model`'s forward traceable as one program where HF says it is
-    not (`_can_compile_fullgraph`): a Switch Transformers model."""
+def traced_whole(model):
+    """Whether this module makes `model`'s forward one program where HF says it cannot be
+    (`_can_compile_fullgraph`): a Switch Transformers model, with the setting on."""
     module = sys.modules.get(_SWITCH)
     return settings.hf_fixed_experts and module is not None and isinstance(model, module.SwitchTransformersPreTrainedModel)
 

@@ -47,7 +47,7 @@ def _applies(model, generation_config, model_kwargs, generation_mode):
         return False
     if getattr(generation_mode, "name", None) not in _MODES or getattr(generation_config, "prefill_chunk_size", None):
         return False
-    compilable = getattr(type(model), "_can_compile_fullgraph", False) or hf_experts.traced_without_host_values(model)
+    compilable = getattr(type(model), "_can_compile_fullgraph", False) or hf_experts.traced_whole(model)
     if not compilable or not model._supports_default_dynamic_cache():
         return False
     parameter = next(model.parameters(), None)
