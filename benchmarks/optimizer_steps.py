@@ -1,7 +1,7 @@
 """Every torch.optim optimizer's step on GPT-2 small's parameters, in each implementation torch
 offers, as torch runs it and as the bridge runs it (captured mode), one process each, in one run.
 
-    python benchmarks/optimizer_steps.py [--tiny] [--steps 20] [--only adam,sgd] [--out DIR]
+    python benchmarks/optimizer_steps.py [--tiny] [--steps 20] [--only adam,sgd] [--eager] [--out DIR]
 
 The parameters are GPT-2 small's 148 (12 layers x 768, vocab 50304; float32, 124M values) with
 fixed gradients; each case builds its optimizer, takes 3 steps (the first makes the state; the
@@ -12,7 +12,9 @@ The bridge's rows also say how many programs each timed step ran (one is the goa
 time until step() returned, and a captured step's compiled program timed alone.
 
 Figures: per optimizer, torch's fastest implementation (fused where torch has it, else foreach)
-against each of the bridge's, and their ratio. Writes <out>/<name>.{md,json}.
+against each of the bridge's, and their ratio. With --eager, a third process runs the bridge in
+eager mode (each torch op one call; the fused kernels and `_foreach_*` ops one program each) and a
+table sets it against torch's same implementation. Writes <out>/<name>.{md,json}.
 """
 
 import argparse
@@ -77,12 +79,12 @@ def _measure(options):
     """One process: every case under one runtime; prints one JSON line per case."""
     import torch
 
-    bridged = options.runtime == "bridge"
+    bridged = options.runtime.startswith("bridge")
     if bridged:
         import bridge
         from bridge.runtime import capture
 
-        bridge.activate(mode="captured")
+        bridge.activate(mode="eager" if options.runtime == "bridge-eager" else "captured")
     device = "cuda" if bridged or torch.cuda.is_available() else "cpu"
     params = _parameters(options.tiny, device)
     only = set(options.only.split(",")) if options.only else None
@@ -176,7 +178,8 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default="optimizer_steps")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps of each case (printed with the logs)")
-    parser.add_argument("--runtime", choices=["torch", "bridge"], help=argparse.SUPPRESS)
+    parser.add_argument("--eager", action="store_true", help="also the bridge's eager mode (each torch op a call; a table of its own)")
+    parser.add_argument("--runtime", choices=["torch", "bridge", "bridge-eager"], help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.runtime:
         _measure(options)
@@ -185,7 +188,7 @@ def main(argv=None):
     records, logs = [], {}
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-    for runtime in ("torch", "bridge"):
+    for runtime in ("torch", "bridge") + (("bridge-eager",) if options.eager else ()):
         command = [sys.executable, __file__, "--runtime", runtime, "--steps", str(options.steps)]
         command += ["--tiny"] if options.tiny else []
         command += ["--only", options.only] if options.only else []
@@ -234,15 +237,26 @@ def main(argv=None):
         if "ms" in r else f"| {r['optimizer']} | {r['implementation']} | not run: {r['error']} | |"
         for r in records if r["runtime"] == "torch"
     ]
+    eager_table = ["| optimizer | implementation | torch ms | bridge eager ms | bridge eager / torch | host ms |", "|---|---|---|---|---|---|"]
+    for r in records:
+        reference = ms("torch", r["optimizer"], r["implementation"]) if r["runtime"] == "bridge-eager" else None
+        if reference is not None and "ms" in r:
+            eager_table.append(
+                f"| {r['optimizer']} | {r['implementation']} | {reference['ms']} | {r['ms']} | {r['ms'] / reference['ms']:.2f} | {r['host_ms']} |"
+            )
+    eager_text = (
+        "\n## The bridge's eager mode, against torch's same implementation\n\n" + "\n".join(eager_table) + "\n"
+        if options.eager else ""
+    )
     versions = machine.versions()
-    command = "python benchmarks/optimizer_steps.py" + (" --tiny" if options.tiny else "") + (f" --only {options.only}" if options.only else "")
+    command = "python benchmarks/optimizer_steps.py" + (" --tiny" if options.tiny else "") + (f" --only {options.only}" if options.only else "") + (" --eager" if options.eager else "")
     text = (
         f"# Optimizer steps: torch and the bridge on GPT-2 {'small (width 64)' if options.tiny else 'small'}'s parameters\n\n"
         f"Command: `{command}`; generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
         f"Machine and versions: {json.dumps(versions)}\n\n"
         "Median ms a step (step + device synchronization), over "
         f"{options.steps} steps after 3. Each bridge implementation against torch's fastest for that optimizer:\n\n"
-        + "\n".join(lines) + "\n\n## torch, every implementation\n\n" + "\n".join(torch_table) + "\n"
+        + "\n".join(lines) + "\n\n## torch, every implementation\n\n" + "\n".join(torch_table) + "\n" + eager_text
     )
     machine.write_results(options.out, options.name, {"versions": versions, "command": command, "records": records, "summary": summary, "logs": logs}, text)
     return 0
