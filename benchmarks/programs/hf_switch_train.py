@@ -23,6 +23,7 @@ def main():
     parser.add_argument("--experts", type=int, default=8)
     parser.add_argument("--capacity", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--progress", action="store_true", help="print each step's time and loss as it ends")
     options = parser.parse_args()
     torch.manual_seed(0)
     config = transformers.SwitchTransformersConfig(
@@ -47,6 +48,8 @@ def main():
         if device == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
+        if options.progress:
+            print(f"step {len(times)}: {times[-1]:.3f} s, loss {losses[-1]:.4f}", flush=True)
     result = {
         "ms_per_step": round(statistics.median(times[5:]) * 1000, 2),
         "first_step_seconds": round(times[0], 2),
