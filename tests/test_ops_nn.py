@@ -500,10 +500,13 @@ def test_half_precision_convolution_gradients_are_half_precision_convolutions(gr
     wide = copy.deepcopy(reference).double()
     expected = torch.randn(2, 8, 16, 16).bfloat16().requires_grad_()
     data, exact = expected.detach().cuda().requires_grad_(), expected.detach().double().requires_grad_()
+    # One cotangent for all three, in bfloat16 as torch and the bridge hand it to the
+    # convolution: made from each one's own output, it carried the forward's rounding into the
+    # gradients (an output element on a rounding boundary, which the CPU's kernels sum in
+    # different orders: on a CPU with AMX, torch's sat on the other side of it than XLA's).
+    cotangent = 2 * reference(expected).detach()
     for module, given in ((reference, expected), (model, data), (wide, exact)):
-        out = module(given)
-        # The cotangent in bfloat16, as both torch and the bridge hand it to the convolution.
-        out.backward(2 * out.detach().bfloat16().to(out.dtype))
+        module(given).backward(cotangent.to(given.device).to(given.dtype))
     results = [
         (given.grad, module.weight.grad, module.bias.grad) for module, given in ((model, data), (reference, expected), (wide, exact))
     ]
