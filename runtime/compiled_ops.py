@@ -14,6 +14,7 @@ uncompiled from then on.
 """
 
 import functools
+import itertools
 import os
 
 import jax
@@ -110,17 +111,23 @@ def _call_lifted(call, positional_spec, keyword_spec, arrays, floats):
         dtypes.lifted_floats.clear()
 
 
-def _lift(spec, floats):
+def _lift(spec, floats, first=None):
     """`spec` with each Python float (not a subclass: numpy's float64 is typed where Python's is
     weak) replaced by _LIFTED, the float appended to `floats` as a 0-dim weakly typed float64
     array (the bridge runs JAX with x64 on), which a program computes with as it would with the
-    constant: the same promotion, the same sign of zero."""
+    constant: the same promotion, the same sign of zero. A float equal to its place in `first`
+    (the signature's first call) stays compiled in: an entry may need it as a Python number (a
+    fused optimizer kernel's betas) where only the learning rate changes from call to call."""
     if type(spec) is tuple and spec and spec[0] is _SCALAR and spec[1] is float:
+        if first == spec:
+            return spec
         if floats is not None:
             floats.append(_scalar_array(spec[2]))
         return _LIFTED
     if type(spec) is tuple and spec and spec[0] is _SEQUENCE:
-        return (_SEQUENCE, spec[1], tuple(_lift(item, floats) for item in spec[2]))
+        items = spec[2]
+        firsts = first[2] if type(first) is tuple and first and first[0] is _SEQUENCE and len(first[2]) == len(items) else ()
+        return (_SEQUENCE, spec[1], tuple(_lift(item, floats, f) for item, f in itertools.zip_longest(items, firsts)))
     return spec
 
 
@@ -139,13 +146,14 @@ def _scalar_array(exact):
     return array
 
 
-def _lifted_key(key, floats):
+def _lifted_key(key, floats, first=None):
     """An entry key with its Python floats lifted out (their arrays appended to `floats`, unless
-    it is None)."""
+    it is None), but those equal to their places in the key `first` (see _lift)."""
     positional_spec, keyword_spec = key[:2]
+    first_positional, first_keyword = first[:2] if first is not None else ((), ())
     return (
-        tuple(_lift(spec, floats) for spec in positional_spec),
-        tuple((name, _lift(spec, floats)) for name, spec in keyword_spec),
+        tuple(_lift(spec, floats, f) for spec, f in itertools.zip_longest(positional_spec, first_positional)),
+        tuple((name, _lift(spec, floats, f[1] if f else None)) for (name, spec), f in itertools.zip_longest(keyword_spec, first_keyword)),
     ) + key[2:]
 
 
@@ -222,7 +230,7 @@ class CompiledEntry:
         self.lifted = {}
         self.shapes = set()  # the signatures with their arrays' shapes and dtypes compiled so far
         self.seen = {}  # those run on the host -> [how many came before, calls] (has_compiled_many_but_not)
-        self.float_free = set()  # the signatures compiled so far, with their floats erased
+        self.float_free = {}  # the signatures compiled so far, with their floats erased: the first call's key
         self.enabled = _returns_only_tensors(op)
         # Whether the entry reads torch's matmul or convolution precision (its registration's
         # reads=): then its programs are keyed on those settings too, so that a script changing
@@ -251,7 +259,7 @@ class CompiledEntry:
         arrays = []
         key = self._key(values, keywords, arrays)
         shaped = _shaped(key, arrays)
-        if shaped in self.shapes or (self.lifted and _shaped(_lifted_key(key, None), arrays) in self.shapes):
+        if shaped in self.shapes or (self.lifted and _shaped(self._lifted_key(key, None), arrays) in self.shapes):
             return False
         if key not in self.variants and len(self.variants) >= MAX_VARIANTS and _erase_floats(key) not in self.float_free:
             # A signature it can no longer compile (HF's mask padded by a new amount each token):
@@ -295,7 +303,7 @@ class CompiledEntry:
             return self._lifted_call(key, values, keywords, arrays)
         if len(self.variants) >= MAX_VARIANTS:
             return self._uncompiled(values, keywords, f"more than {MAX_VARIANTS} signatures (scalars, sizes, dtypes)")
-        self.float_free.add(float_free)
+        self.float_free[float_free] = key
         positional_spec, keyword_spec = key[:2]
         compiled = jax.jit(functools.partial(_call_with, self.call, positional_spec, keyword_spec))
         reads = precision.reads
@@ -310,8 +318,8 @@ class CompiledEntry:
             _undeclared(self.op)
             self.reads_precision = True
             self.variants.clear()
-            self.float_free = {_erase_floats(key + (precision.precision_settings(),))}
             key = key + (precision.precision_settings(),)
+            self.float_free = {_erase_floats(key): key}
         self.variants[key] = compiled
         self.shapes.add(_shaped(key, arrays))
         self.last = compiled
@@ -321,7 +329,7 @@ class CompiledEntry:
         """A call whose floats differ from an earlier call's with the same signature: the
         signature's program taking the floats as arguments, compiled on the first such call."""
         floats = []
-        lifted_key = _lifted_key(key, floats)
+        lifted_key = self._lifted_key(key, floats)
         program = self.lifted.get(lifted_key, _ARRAY)
         if program is None:
             return self._uncompiled(values, keywords, "it needs a changing float as a Python number")
@@ -345,13 +353,17 @@ class CompiledEntry:
             self.reads_precision = True
             self.variants.clear()
             self.lifted.clear()
-            self.float_free = set()
+            self.float_free = {}
             return out
         self.lifted[lifted_key] = program
         self.last = WithFloats(program, floats)
         if len(self.shapes) < _SHAPES_KEPT:
             self.shapes.add(_shaped(lifted_key, arrays))
         return out
+
+    def _lifted_key(self, key, floats):
+        """The key's floats lifted out, but those its signature's first call had too."""
+        return _lifted_key(key, floats, self.float_free.get(_erase_floats(key)))
 
     def _uncompiled(self, values, keywords, reason=None):
         """The entry's jnp calls one by one (a JAX dispatch each), counted for the run report."""
