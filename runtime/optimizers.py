@@ -30,80 +30,20 @@ parameters, per-parameter state made the update's call cost about as much as its
 
 import contextlib
 import functools
-import math
 import weakref
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import distributed, stats
+from . import distributed, flat, stats
 from .config import settings
 from .registry import MAPPINGS, aten
 from .tensor import BridgeTensor, read_value, read_values, root_of, settle, write_value
-from .views import ViewStep
 
 
-def _split(flat, like):
-    """The per-parameter pieces of a flat array, shaped like `like`."""
-    pieces, start = [], 0
-    for array in like:
-        pieces.append(flat[start : start + array.size].reshape(array.shape))
-        start += array.size
-    return pieces
-
-
-def _join(arrays):
-    return jnp.concatenate([array.reshape(-1) for array in arrays]) if arrays else jnp.zeros((0,))
-
-
-_join_jit = jax.jit(_join)
-
-
-def _make_members(root, tensors, shapes):
-    """Make each tensor a view of its span of the flat root, one after another."""
-    slice_mapping, view_mapping = MAPPINGS[aten.slice.Tensor], MAPPINGS[aten.view.default]
-    dtype = root._value.dtype
-    start = 0
-    for tensor, shape in zip(tensors, shapes):
-        stop = start + math.prod(shape)
-        tensor._root = root
-        tensor._chain = (
-            ViewStep(slice_mapping, (0, start, stop, 1), {}, None),
-            ViewStep(view_mapping, (tuple(shape),), {}, None),
-        )
-        # Read from the root when first read. The array the tensor held before (the state
-        # torch's first step made) must go: kept, it doubled Adam's memory (GPT-2: 0.93 GB).
-        tensor._value = jax.ShapeDtypeStruct(tuple(shape), dtype)
-        tensor._seen = -1
-        start = stop
-    root._flat_members = tuple(map(id, tensors))
-
-
-def flat_state(tensors):
-    """The flat root holding `tensors` (state tensors, one per parameter) one after another.
-
-    Made on first use: the tensors keep their identity (the optimizer's state and any
-    reference a script holds) and become views into the root, so reading one (state_dict,
-    a checkpoint) gives its current value, and writing one writes the root. State replaced
-    since (load_state_dict makes new tensors) is gathered into a new root."""
-    first = tensors[0]
-    root = first._root
-    if root is not None and getattr(root, "_flat_members", None) == tuple(map(id, tensors)):
-        return root
-    values = [read_value(tensor) for tensor in tensors]
-    root = BridgeTensor(_join_jit(values), first._index)
-    _make_members(root, tensors, [tuple(value.shape) for value in values])
-    return root
-
-
-def flat_members(flat, params):
-    """New state tensors, one per parameter, as views into a new root holding `flat`."""
-    root = BridgeTensor(flat, params[0]._index)
-    # Placeholders until first read: _make_members marks them stale, so a read takes the root.
-    members = [BridgeTensor(jax.ShapeDtypeStruct(tuple(p.shape), flat.dtype), p._index) for p in params]
-    _make_members(root, members, [tuple(p.shape) for p in params])
-    return members
+_split, _join = flat.split, flat.join
+flat_state, flat_members = flat.flat_state, flat.flat_members
 
 
 def device_step_counts(steps):

@@ -539,6 +539,12 @@ def read_value(tensor: BridgeTensor) -> jax.Array:
         tensor._seen = root._generation
         return value
     value = read_value(root)
+    members = None if settings.tracing else root.__dict__.get("_members")
+    if members is not None and id(tensor) in members.id_set:
+        # A member of a flat root (runtime/flat.py): every member is cut from it in one program.
+        members.refresh(root, value)
+        if tensor._seen == root._generation:
+            return tensor._value
     for apply_view in tensor._chain:
         value = apply_view(value)
     tensor._value = value
@@ -613,7 +619,11 @@ def write_value(tensor: BridgeTensor, value: jax.Array) -> None:
     if tensor._chain:
         from .views import scatter_into_root
 
-        root._value = scatter_into_root(read_value(root), tensor._chain, value)
+        members = None if settings.tracing else root.__dict__.get("_members")
+        # A member's span of a flat root (runtime/flat.py) is written in place where it can be
+        # (settled above: no deferred work waits on the root).
+        written = None if members is None else members.write(root, tensor._chain, value)
+        root._value = scatter_into_root(read_value(root), tensor._chain, value) if written is None else written
     else:
         root._value = value
     root._generation += 1

@@ -1,0 +1,237 @@
+"""Flat roots: tensors that are views into one array, one after another.
+
+An update program's call costs the host a few microseconds for each array it takes and, more, for
+each it returns (JAX makes an array object and XLA a buffer for each). An optimizer step over
+GPT-2's 148 parameters, their gradients and two moments crossed as ~450 arrays out of the
+program, and cost the host more than its kernels took. Here such tensors keep their identity
+(torch's optimizer state, a script's references, a module's parameters) and become views into
+one flat root each, their `_chain` a slice and a reshape of it (`make_members`):
+
+- the optimizer's state (Adam's moments, SGD's momentum buffers) is made so at its first step
+  (`flat_state`);
+- the parameters an optimizer step updates are made so once its structure repeats
+  (`flat_parameters`): the update takes and returns their root, and a captured region takes the
+  root as one input and cuts the parameters out of it inside its program (runtime/capture.py,
+  its "packs"), each still a parameter of its own to torch's autograd.
+
+Reading a member whose root changed cuts every member out of the root in one program
+(`Members.refresh`), and writing one writes its span of the root in place where nothing else
+holds the root's array (`write_span`); a member written some other way is scattered into the root
+as any view is.
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import sys
+import weakref
+
+import jax
+import jax.numpy as jnp
+
+from .registry import MAPPINGS, aten
+from .tensor import BridgeTensor, read_value
+from .views import ViewStep
+
+
+def split(flat, like):
+    """The pieces of a flat array, shaped like the arrays (or shapes) of `like`, one after
+    another."""
+    pieces, start = [], 0
+    for item in like:
+        shape = item if isinstance(item, tuple) else item.shape
+        size = math.prod(shape)
+        pieces.append(flat[start : start + size].reshape(shape))
+        start += size
+    return pieces
+
+
+def join(arrays):
+    return jnp.concatenate([array.reshape(-1) for array in arrays]) if arrays else jnp.zeros((0,))
+
+
+join_jit = jax.jit(join)
+
+
+def _write_span_into(flat, value, start):
+    return jax.lax.dynamic_update_slice(flat, value.reshape(-1).astype(flat.dtype), (start,))
+
+
+_write_span = jax.jit(_write_span_into)
+_write_span_donated = jax.jit(_write_span_into, donate_argnums=0)
+_split_jit = jax.jit(split, static_argnums=1)
+
+
+class Members:
+    """A flat root's members, held weakly: for each, its span of the root (start, stop, shape)."""
+
+    __slots__ = ("refs", "spans", "ids", "id_set", "by_chain", "__weakref__")
+
+    def __init__(self, tensors, spans, chains):
+        self.refs = [weakref.ref(tensor) for tensor in tensors]
+        self.spans = spans
+        self.ids = tuple(map(id, tensors))
+        self.id_set = frozenset(self.ids)
+        self.by_chain = dict(zip(chains, spans))  # a member's chain -> its span (an alias has the same chain)
+
+    def refresh(self, root, value):
+        """Give every live member its value cut from the root's `value`, in one program."""
+        pieces = _split_jit(value, tuple(shape for _, _, shape in self.spans))
+        generation = root._generation
+        for ref, piece in zip(self.refs, pieces):
+            tensor = ref()
+            if tensor is not None and tensor._root is root:
+                tensor._value = piece
+                tensor._seen = generation
+
+    def write(self, root, chain, value):
+        """The root's new value with `value` written into the span that `chain` (a member's, or an
+        alias's of a member) names, or None for another chain. The root's array is updated in
+        place where nothing but the root holds it (load_state_dict's copy into each parameter)."""
+        span = self.by_chain.get(chain)
+        if span is None:
+            return None
+        flat = root._value
+        # Held by the root's attribute, this frame's name and getrefcount's argument: no one else.
+        write = _write_span_donated if sys.getrefcount(flat) <= 3 else _write_span
+        return write(flat, value, span[0])
+
+    def forget(self, root):
+        """Drop the members' values cut from an earlier value of the root (they hold memory as
+        large as the root's): read again, they are cut from its current value."""
+        for ref, (_, _, shape) in zip(self.refs, self.spans):
+            tensor = ref()
+            if tensor is not None and tensor._root is root and isinstance(tensor._value, jax.Array):
+                tensor._value = jax.ShapeDtypeStruct(shape, tensor._value.dtype)
+                tensor._seen = -1
+
+
+def members_of(root):
+    """The root's Members, or None for a root that is not flat."""
+    return root.__dict__.get("_members")
+
+
+def is_member(tensor):
+    """Whether the tensor is one of the tensors its flat root was made for."""
+    root = tensor._root
+    if root is None:
+        return False
+    members = root.__dict__.get("_members")
+    return members is not None and id(tensor) in members.id_set and tensor._chain in members.by_chain
+
+
+def make_members(root, tensors, shapes):
+    """Make each tensor a view of its span of the flat root, one after another."""
+    slice_mapping, view_mapping = MAPPINGS[aten.slice.Tensor], MAPPINGS[aten.view.default]
+    dtype = root._value.dtype
+    start, spans, chains = 0, [], []
+    for tensor, shape in zip(tensors, shapes):
+        stop = start + math.prod(shape)
+        chain = (
+            ViewStep(slice_mapping, (0, start, stop, 1), {}, None),
+            ViewStep(view_mapping, (tuple(shape),), {}, None),
+        )
+        tensor._root = root
+        tensor._chain = chain
+        # Read from the root when first read. The array the tensor held before (the state
+        # torch's first step made) must go: kept, it doubled Adam's memory (GPT-2: 0.93 GB).
+        tensor._value = jax.ShapeDtypeStruct(tuple(shape), dtype)
+        tensor._seen = -1
+        spans.append((start, stop, tuple(shape)))
+        chains.append(chain)
+        start = stop
+    root._members = Members(tensors, tuple(spans), chains)
+
+
+def flat_state(tensors):
+    """The flat root holding `tensors` (state tensors, one per parameter) one after another.
+
+    Made on first use: the tensors keep their identity (the optimizer's state and any
+    reference a script holds) and become views into the root, so reading one (state_dict,
+    a checkpoint) gives its current value, and writing one writes the root. State replaced
+    since (load_state_dict makes new tensors) is gathered into a new root."""
+    root = holding(tensors)
+    if root is not None:
+        return root
+    values = [read_value(tensor) for tensor in tensors]
+    root = BridgeTensor(join_jit(values), tensors[0]._index)
+    make_members(root, tensors, [tuple(value.shape) for value in values])
+    return root
+
+
+def holding(tensors):
+    """The flat root whose members are exactly `tensors`, in order, or None."""
+    root = tensors[0]._root
+    if root is None:
+        return None
+    members = root.__dict__.get("_members")
+    if members is None or members.ids != tuple(map(id, tensors)):
+        return None
+    return root if all(tensor._root is root for tensor in tensors) else None
+
+
+def flat_members(flat, like):
+    """New tensors, one per tensor of `like`, as views into a new root holding `flat`."""
+    root = BridgeTensor(flat, like[0]._index)
+    # Placeholders until first read: make_members marks them stale, so a read takes the root.
+    members = [BridgeTensor(jax.ShapeDtypeStruct(tuple(t.shape), flat.dtype), t._index) for t in like]
+    make_members(root, members, [tuple(t.shape) for t in like])
+    return members
+
+
+def flat_parameters(params):
+    """The flat root holding `params` one after another, made now where it can be, else None.
+
+    A parameter moves into a new root when it owns its array or is an alias of a whole root (a
+    parameter after Module.to) or a member of another flat root, its array is on one device, no
+    deferred work waits on it, and no other bridge tensor is a view or alias of it or its root
+    (that tensor would no longer see the parameter's writes: torch's views share storage).
+    Looked for once, when the root is made, among the objects the garbage collector tracks."""
+    root = holding(params)
+    if root is not None:
+        return root
+    first = params[0]
+    roots = []
+    for param in params:
+        if param._pending is not None or param._index != first._index or param.dtype != first.dtype:
+            return None
+        owner = param._root
+        if owner is not None and (owner._pending is not None or (param._chain and not is_member(param))):
+            return None
+        value = read_value(param)
+        if not isinstance(value, jax.Array) or len(value.sharding.device_set) != 1:
+            return None
+        roots.append(param if owner is None else owner)
+    if _viewed_by_others(params, roots):
+        return None
+    values = [read_value(param) for param in params]
+    root = BridgeTensor(join_jit(values), first._index)
+    make_members(root, params, [tuple(value.shape) for value in values])
+    return root
+
+
+def _viewed_by_others(params, roots):
+    """Whether a bridge tensor other than `params` views or aliases one of them or of `roots`
+    (a tensor's `_root` in its instance dict). Flat roots among `roots` are not looked at: their
+    members move with the parameters, and a view of a member is rooted at the flat root."""
+    own = {id(param.__dict__) for param in params}
+    watched = [root for root in roots if members_of(root) is None]
+    ids = {id(root) for root in watched}
+    for referrer in gc.get_referrers(*watched) if watched else ():
+        if type(referrer) is dict and id(referrer.get("_root")) in ids and id(referrer) not in own:
+            return True
+    return False
+
+
+def release(tensors):
+    """Each member among `tensors` made a root of its own again, with its current value (one
+    program cuts them all): for an update that takes its parameters one by one, which would
+    otherwise write each into its flat root's span."""
+    for tensor in tensors:
+        root = tensor._root
+        if root is not None and is_member(tensor):
+            value = read_value(tensor)
+            tensor._root, tensor._chain, tensor._value = None, (), value
+            tensor._seen = 0
+            tensor._generation += 1
