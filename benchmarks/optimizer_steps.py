@@ -157,7 +157,7 @@ def _program_ms(optimizer):
     program = next(iter(region.region.programs.values()))
     if program.infer is None:
         return None
-    roots = [capture.read_value(root) for root in program.roots]
+    roots, _ = capture._gather(program, [])  # (a pack of parameters as its one flat array)
     grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
     inputs = [capture.read_value(grad) for grad in grads if grad is not None][: len(program.tensor_positions)]
     if len(inputs) != len(program.tensor_positions):

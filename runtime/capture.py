@@ -38,6 +38,7 @@ import os
 import time
 import traceback
 import weakref
+from typing import NamedTuple
 
 import jax
 import jax.extend.core as jax_core
@@ -45,7 +46,7 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch.utils import _pytree as pytree
 
-from . import deferred, precision, random, views
+from . import deferred, flat, precision, random, views
 from . import tensor as tensor_module
 from .callsite import _is_library
 from .config import KEEP_FOR_BACKWARD, settings
@@ -373,8 +374,10 @@ def _context_key():
 
 
 def _state_key(roots, owners):
+    # (a member of a flat root is its own root here: its flat root's identity says which pack it is in)
     return tuple(
-        (id(root), id(owner), owner.requires_grad, root.dtype, tuple(root.shape), root._index, tuple(owner._chain))
+        (id(root), id(owner), owner.requires_grad, root.dtype, tuple(root.shape), root._index, tuple(owner._chain),
+         id(owner._root) if root is owner and owner._chain else 0)
         for root, owner in zip(roots, owners)
     )
 
@@ -446,6 +449,8 @@ class Program:
     backward_ahead: bool = False  # compile the backward before the first split forward runs
     learned: list = None  # the values the region's code needed on the host, as its eager run gave them
     owner_views: bool = False  # an owner is a view into its root (its gradient is cut from the root's)
+    packs: tuple = ()  # _Pack per flat root whose members are roots here (runtime/flat.py)
+    packed: frozenset = frozenset()  # the positions in roots of those members
 
     # What the trace learned, read through the record (Traced).
     out_spec = property(lambda self: self.traced.out_spec)
@@ -454,6 +459,7 @@ class Program:
     out_float = property(lambda self: self.traced.out_float)
     out_shapes = property(lambda self: self.traced.out_shapes)
     mutated_roots = property(lambda self: self.traced.mutated_roots)
+    pack_writes = property(lambda self: self.traced.pack_writes)
     mutated_inputs = property(lambda self: self.traced.mutated_inputs)
     expected = property(lambda self: self.traced.expected)
     presence = property(lambda self: self.traced.presence)
@@ -472,7 +478,8 @@ class Traced:
     out_tensor_positions: tuple  # positions of tensor leaves in the result
     out_float: tuple  # per tensor output: differentiable (floating) or not
     out_shapes: tuple
-    mutated_roots: tuple  # positions of the state roots the body writes
+    mutated_roots: tuple  # positions of the state roots the body writes (but those of pack_writes)
+    pack_writes: tuple  # the packs (indices in Program.packs) written whole: their flat arrays, after mutated_roots'
     mutated_inputs: tuple  # positions of the input tensors it writes
     expected: tuple  # the host values the trace took as learned (its guards'), in order
     presence: tuple  # per gradient_only_where call: the positions of its tensors' roots
@@ -542,10 +549,14 @@ def _trace_body(function, program, watched=None):
         global _trace
         roots = program.roots
         saved = [(root._value, root._generation) for root in roots]
+        # Members of flat roots (packs) are roots of their own while the body is traced.
+        detached = [(root, root._root, root._chain) for root in roots if root._root is not None]
         trace = _Trace(roots, program.learned)
         previous_trace = _trace
         saved_key = random.swap_key(key)
         try:
+            for root, _, _ in detached:
+                root._root, root._chain = None, ()
             for root, value in zip(roots, root_values):
                 root._value = value
                 root._generation += 1
@@ -618,15 +629,19 @@ def _trace_body(function, program, watched=None):
                     raise GraphBreak("the region returns a tensor on the host CPU")
                 else:
                     out_statics.append(leaf)
+            mutated_roots = {position for position, (root, value) in enumerate(zip(roots, root_values)) if root._value is not value}
+            # A pack that covers its flat root, with members written (an optimizer step traced
+            # whole): its new flat array, one output, in their stead.
+            pack_writes = tuple(k for k, pack in enumerate(program.packs) if pack.order and mutated_roots & set(pack.positions))
+            mutated_roots -= {position for k in pack_writes for position in program.packs[k].positions}
             traced = Traced(
                 out_spec=out_spec,
                 out_statics=tuple(out_statics),
                 out_tensor_positions=tuple(positions),
                 out_float=tuple(_is_float(tensor_module.JAX_TO_TORCH[array.dtype]) for array in arrays),
                 out_shapes=tuple(tuple(array.shape) for array in arrays),
-                mutated_roots=tuple(
-                    position for position, (root, value) in enumerate(zip(roots, root_values)) if root._value is not value
-                ),
+                mutated_roots=tuple(sorted(mutated_roots)),
+                pack_writes=pack_writes,
                 mutated_inputs=tuple(position for position, tensor in enumerate(inputs) if tensor._generation != 0),
                 expected=tuple(trace.expected),
                 presence=tuple(
@@ -638,6 +653,7 @@ def _trace_body(function, program, watched=None):
                 stored=tuple(kept),
             )
             mutated = [roots[position]._value for position in traced.mutated_roots]
+            mutated += [flat.join([roots[p]._value for p in program.packs[k].order]) for k in pack_writes]
             written = [read_value(inputs[position]) for position in traced.mutated_inputs]
             body.traced = traced
             return arrays, mutated, written, random.current_key(), trace.guards + [flag for flag, _ in trace.presence]
@@ -647,6 +663,8 @@ def _trace_body(function, program, watched=None):
             for root, (value, generation) in zip(roots, saved):
                 root._value = value
                 root._generation = max(root._generation, generation) + 1
+            for root, flat_root, chain in detached:
+                root._root, root._chain, root._seen = flat_root, chain, -1  # read from the flat root again
             random.swap_key(saved_key)
 
     body.traced = None
@@ -836,6 +854,8 @@ def _owner_gradients(program, values):
         return values
     values = list(values)
     for k, position in enumerate(program.diff_roots):
+        if position in program.packed:
+            continue  # a member of a flat root: a root of its own here
         for step in program.owners[position]._chain:
             values[k] = step(values[k])
     return values
@@ -864,7 +884,10 @@ _KEEP = jax.checkpoint_policies.save_from_both_policies(
 def _build(program, options):
     body = program.body
     if not program.grad:
-        program.infer = jax.jit(body, compiler_options=options)
+        if program.packs:
+            program.infer = jax.jit(lambda roots, inputs, key: body(_unpack(program, roots), inputs, key), compiler_options=options)
+        else:
+            program.infer = jax.jit(body, compiler_options=options)
         return
     n_roots = len(program.roots)
     n_inputs = len(program.input_indices)  # the leaves' tensors, then carried objects'
@@ -878,6 +901,9 @@ def _build(program, options):
         return floats, (others, mutated, written, new_key, guards)
 
     def forward(diff_roots, diff_inputs, other_roots, other_inputs, key):
+        packed = (diff_roots, diff_inputs, other_roots, other_inputs, key)  # the program's own inputs
+        diff_roots, other_roots = _unpacked(program, diff_roots, other_roots)
+
         def function(d_roots, d_inputs):
             return differentiable(d_roots, d_inputs, other_roots, other_inputs, key)
 
@@ -892,10 +918,11 @@ def _build(program, options):
             diff_inputs,
             has_aux=True,
         )
-        return floats, aux, _Residuals.of(pullback, (diff_roots, diff_inputs, other_roots, other_inputs, key))
+        return floats, aux, _Residuals.of(pullback, packed)
 
     def fused(diff_roots, diff_inputs, other_roots, other_inputs, key, position):
         # Forward and gradients of one scalar output in one program (see _RegionFunction).
+        diff_roots, other_roots = _unpacked(program, diff_roots, other_roots)
         def scalar(d_roots, d_inputs):
             floats, aux = differentiable(d_roots, d_inputs, other_roots, other_inputs, key)
             return floats[position], (floats, aux)
@@ -909,6 +936,7 @@ def _build(program, options):
 
     def recompute(primals, cotangents):
         diff_roots, diff_inputs, other_roots, other_inputs, key = primals
+        diff_roots, other_roots = _unpacked(program, diff_roots, other_roots)
         _, pullback, _ = jax.vjp(
             lambda a, b: differentiable(a, b, other_roots, other_inputs, key), diff_roots, diff_inputs, has_aux=True
         )
@@ -919,6 +947,7 @@ def _build(program, options):
         return _owner_gradients(program, d_roots), d_inputs
 
     def primal(diff_roots, diff_inputs, other_roots, other_inputs, key):
+        diff_roots, other_roots = _unpacked(program, diff_roots, other_roots)
         return differentiable(diff_roots, diff_inputs, other_roots, other_inputs, key)
 
     # The residuals pass to the backward row-major. Returning them in the layouts XLA chose
@@ -995,14 +1024,81 @@ def _scale(gradients, factor):
 
 
 def _gather(program, input_tensors):
-    root_values = [read_value(root) for root in program.roots]
+    roots = program.roots
+    if program.packs:
+        # A pack's flat array once, at its carrier's position; its other members' are None.
+        packed = program.packed
+        root_values = [None if position in packed else read_value(root) for position, root in enumerate(roots)]
+        for pack in program.packs:
+            root_values[pack.carrier] = read_value(roots[pack.carrier]._root)
+    else:
+        root_values = [read_value(root) for root in roots]
     input_values = [read_value(tensor) for tensor in input_tensors]
     return root_values, input_values
+
+
+class _Pack(NamedTuple):
+    """Members of one flat root (runtime/flat.py) that are roots of a program: the program takes
+    the flat array once, at the carrier's position among its roots, and cuts the members out of
+    it, so that a region over GPT-2's 148 parameters packed by the optimizer takes one array for
+    them. Each member is still a root of its own inside the program: its gradient, its reach
+    (torch's None for a parameter no output depends on) and its writes are its own."""
+
+    carrier: int  # a position of the pack in roots: a differentiated one where there is one
+    positions: tuple  # the members' positions in roots
+    spans: tuple  # each member's (start, stop, shape) in the flat array
+    order: tuple  # where the pack holds every member of its root: the positions in the root's order, else ()
+
+
+def _packs(roots, diff_roots):
+    groups = {}
+    for position, root in enumerate(roots):
+        if root._root is not None:  # a member as a root of its own (Region._roots)
+            groups.setdefault(id(root._root), []).append(position)
+    differentiated = set(diff_roots or ())
+    packs = []
+    for positions in groups.values():
+        members = flat.members_of(roots[positions[0]]._root)
+        spans = tuple(members.by_chain[roots[position]._chain] for position in positions)
+        carrier = next((position for position in positions if position in differentiated), positions[0])
+        order = ()
+        if len(positions) == len(members.spans):
+            order = tuple(position for _, position in sorted(zip((span[0] for span in spans), positions)))
+        packs.append(_Pack(carrier, tuple(positions), spans, order))
+    return tuple(packs)
+
+
+def _unpack(program, root_values):
+    """Root values with each pack's members cut from the flat array at its carrier (inside a
+    program; on ShapeDtypeStructs, their shapes)."""
+    if not program.packs:
+        return root_values
+    values = list(root_values)
+    for pack in program.packs:
+        whole = values[pack.carrier]
+        for position, (start, stop, shape) in zip(pack.positions, pack.spans):
+            if isinstance(whole, jax.ShapeDtypeStruct):
+                values[position] = jax.ShapeDtypeStruct(shape, whole.dtype)
+            else:
+                values[position] = whole[start:stop].reshape(shape)
+    return values
+
+
+def _unpacked(program, diff_roots, other_roots):
+    """_unpack on root values split into the differentiated ones and the others."""
+    if not program.packs:
+        return diff_roots, other_roots
+    merged = _merge(diff_roots, other_roots, program.diff_roots, len(program.roots))
+    return _split(_unpack(program, merged), program.diff_roots)
 
 
 def _write_back(program, input_tensors, mutated, written, new_key):
     for position, value in zip(program.mutated_roots, mutated):
         write_value(program.roots[position], value)
+    for k, value in zip(program.pack_writes, mutated[len(program.mutated_roots) :]):
+        root = program.roots[program.packs[k].carrier]._root
+        write_value(root, value)
+        flat.members_of(root).forget(root)
     for position, value in zip(program.mutated_inputs, written):
         write_value(input_tensors[position], value)
     random.swap_key(new_key)
@@ -1145,7 +1241,7 @@ class _FreeableRoots:
         diff, others = {position: k for k, position in enumerate(program.diff_roots)}, itertools.count()
         for position, (root, owner) in enumerate(zip(program.roots, program.owners)):
             part, k = (0, diff[position]) if position in diff else (2, next(others))
-            if owner._chain:
+            if owner._chain and position not in program.packed:
                 self.places[id(root)] = (root, part, k)
                 when_freed(root, self)
                 when_freed(root, owner)  # its own copy of its part goes too
@@ -1252,6 +1348,7 @@ class _RegionGradFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, program, primals, n_grads, *tensors):
         diff_roots, diff_inputs, other_roots, other_inputs, key = primals
+        diff_roots, other_roots = _unpacked(program, diff_roots, other_roots)
 
         def gradients(d_roots, d_inputs, cotangents):
             _, pullback, _ = jax.vjp(
@@ -1523,13 +1620,18 @@ class Region:
     def _roots(self, tensors):
         """The state: roots of the region's tensors, and for each the tensor that autograd
         knows (a parameter is often an alias of its root; its gradient is the root's)."""
-        roots, owners, seen = [], [], {}
+        roots, owners, seen, flat_roots = [], [], {}, set()
         for tensor in tensors:
             if not isinstance(tensor, BridgeTensor):
                 raise GraphBreak("the module has a parameter or buffer that is not on the bridge device")
             root = root_of(tensor)
+            if flat.is_member(tensor):
+                # A member of a flat root (runtime/flat.py): a root of its own to the program,
+                # which takes the flat root once and cuts its members out of it (packs).
+                flat_roots.add(id(root))
+                root = tensor
             position = seen.get(id(root))
-            if tensor._chain and tensor.requires_grad:
+            if tensor._chain and tensor.requires_grad and root is not tensor:
                 # Differentiated through its root: its gradient is the root's, cut by the view
                 # (distinct elements, the root owned by no other parameter).
                 if (position is not None and owners[position].requires_grad) or not views.selects_distinct(tensor):
@@ -1541,8 +1643,13 @@ class Region:
                 owners.append(tensor)
             elif tensor.requires_grad and not owners[position].requires_grad:
                 owners[position] = tensor
-            elif tensor.requires_grad and owners[position]._chain:
+            elif tensor.requires_grad and owners[position]._chain and owners[position] is not tensor:
                 raise GraphBreak("a parameter is a view into another tensor that another parameter views too")
+        if flat_roots & set(seen):
+            # The flat root itself (through a tensor that views it otherwise) beside its members:
+            # the program would not see that they share memory.
+            raise GraphBreak("a tensor of the module views the one array the optimizer packed its parameters into, "
+                             "beside those parameters")
         self.owners = owners
         return roots
 
@@ -1563,6 +1670,10 @@ class Region:
                 # Trace once without compiling to see the outputs (is there a loss?) and the
                 # operations (which XLA options suit them).
                 root_values, input_values = _gather(program, inputs)
+                if program.packs:
+                    root_values = _unpack(program, [
+                        jax.ShapeDtypeStruct(value.shape, value.dtype) if value is not None else None for value in root_values
+                    ])
                 jaxpr = jax.make_jaxpr(program.body)(root_values, input_values, random.current_key())
                 program.traced = program.body.traced
                 if program.reshaped and self.changes:
@@ -1602,13 +1713,17 @@ class Region:
         indices = [tensor._index for tensor in inputs]
         index = indices[0] if indices else (roots[0]._index if roots else 0)
         program = Program(roots, list(self.owners), spec, statics, tensor_positions, indices, grad, index=index)
-        program.owner_views = any(owner._chain and owner.requires_grad for owner in program.owners)
+        program.owner_views = any(
+            owner._chain and owner.requires_grad and owner is not root for root, owner in zip(roots, program.owners)
+        )
         if grad:
             program.diff_roots = [
                 i for i, owner in enumerate(program.owners) if owner.requires_grad and _is_float(owner.dtype)
             ]
             program.diff_inputs = [i for i, tensor in enumerate(inputs) if tensor.requires_grad and _is_float(tensor.dtype)]
             program.grad = bool(program.diff_roots or program.diff_inputs)
+        program.packs = _packs(roots, program.diff_roots)
+        program.packed = frozenset(position for pack in program.packs for position in pack.positions)
         program.body = _trace_body(self.function, program, self.watched)
         return program
 

@@ -63,6 +63,10 @@ class Settings:
         # (one array per kind, each parameter's state tensor a view into it), "separate" (an
         # array per tensor, as torch keeps them); None decides by size (optimizer_state()).
         self.optimizer_state = os.environ.get("BRIDGE_OPTIMIZER_STATE") or None
+        # The parameters an Adam, AdamW or SGD step updates become views into one flat array per
+        # group once the step's structure repeats (runtime/flat.py), so that the update and the
+        # captured regions take them as one array; "0" keeps an array per parameter.
+        self.flat_parameters = os.environ.get("BRIDGE_FLAT_PARAMETERS", "1") != "0"
         # Compile a captured region's backward before its first split forward runs
         # (runtime/capture.py `_compile_backward`): None decides by platform (GPUs only).
         self.compile_backward_ahead = None

@@ -66,13 +66,14 @@ _split_jit = jax.jit(split, static_argnums=1)
 class Members:
     """A flat root's members, held weakly: for each, its span of the root (start, stop, shape)."""
 
-    __slots__ = ("refs", "spans", "ids", "id_set", "by_chain", "__weakref__")
+    __slots__ = ("refs", "spans", "ids", "id_set", "index", "by_chain", "__weakref__")
 
     def __init__(self, tensors, spans, chains):
         self.refs = [weakref.ref(tensor) for tensor in tensors]
         self.spans = spans
         self.ids = tuple(map(id, tensors))
         self.id_set = frozenset(self.ids)
+        self.index = {key: position for position, key in enumerate(self.ids)}
         self.by_chain = dict(zip(chains, spans))  # a member's chain -> its span (an alias has the same chain)
 
     def refresh(self, root, value):
@@ -96,6 +97,16 @@ class Members:
         # Held by the root's attribute, this frame's name and getrefcount's argument: no one else.
         write = _write_span_donated if sys.getrefcount(flat) <= 3 else _write_span
         return write(flat, value, span[0])
+
+    def written(self, root, tensor):
+        """After `tensor` (a member, or an alias of one) was written into its span: the other
+        members' values, cut before, still hold (a loop that reads and writes one parameter after
+        another, as LBFGS's or a hand-written update does, cuts them once)."""
+        generation, span = root._generation, self.by_chain[tensor._chain]
+        for ref, other_span in zip(self.refs, self.spans):
+            other = ref()
+            if other is not None and other_span != span and other._seen == generation - 1 and other._root is root:
+                other._seen = generation
 
     def forget(self, root):
         """Drop the members' values cut from an earlier value of the root (they hold memory as
@@ -171,6 +182,26 @@ def holding(tensors):
     return root if all(tensor._root is root for tensor in tensors) else None
 
 
+def layout(tensors):
+    """(root, the shapes of all its members, the positions of `tensors` among them or None for
+    all) where `tensors` are members of one flat root, in the root's order; else None. An update
+    of some of a root's members (the parameters that have gradients this step) takes the whole
+    root and passes the others' spans through."""
+    root = tensors[0]._root
+    members = None if root is None else root.__dict__.get("_members")
+    if members is None:
+        return None
+    index, positions, last = members.index, [], -1
+    for tensor in tensors:
+        position = index.get(id(tensor), -1)
+        if tensor._root is not root or position <= last:
+            return None
+        positions.append(position)
+        last = position
+    shapes = tuple(shape for _, _, shape in members.spans)
+    return root, shapes, (None if len(positions) == len(shapes) else tuple(positions))
+
+
 def flat_members(flat, like):
     """New tensors, one per tensor of `like`, as views into a new root holding `flat`."""
     root = BridgeTensor(flat, like[0]._index)
@@ -208,6 +239,13 @@ def flat_parameters(params):
     values = [read_value(param) for param in params]
     root = BridgeTensor(join_jit(values), first._index)
     make_members(root, params, [tuple(value.shape) for value in values])
+    for param, old in zip(params, roots):
+        if old is not param and members_of(old) is None:
+            # The root a parameter aliased (Module.to's result, a tensor given to nn.Parameter)
+            # becomes a view of the same span: a script holding it sees the parameter's values,
+            # as torch's shared storage would show them, and its array is let go.
+            old._root, old._chain, old._seen = root, param._chain, -1
+            old._value = jax.ShapeDtypeStruct(old._value.shape, old._value.dtype)
     return root
 
 

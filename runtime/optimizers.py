@@ -244,7 +244,8 @@ def _adam_moments(exp_avg, exp_avg_sq, grad, beta1, beta2, dtype):
 
 def adam_update(
     params, grads, avgs, sqs, maxes, scalars, clip_grads=None, coefficient=None,
-    *, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, separate=False, max_norm=None, norm_type=None
+    *, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, separate=False, max_norm=None, norm_type=None,
+    flat_shapes=None, flat_updated=None,
 ):
     """One Adam/AdamW step; returns the new (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or
     None, (total norm, clip coefficient) or None). The moments are flat arrays (`flat_state`),
@@ -252,7 +253,10 @@ def adam_update(
     holds 1 - lr * weight_decay, then -lr / (1 - beta1**step) per parameter, then
     sqrt(1 - beta2**step) per parameter. A folded clip_grad_norm_ (`PendingClip`) gives
     `clip_grads` (to compute the coefficient) or the `coefficient`, and `max_norm` and
-    `norm_type`."""
+    `norm_type`. With `flat_shapes`, `params` is a flat root's array (runtime/flat.py) in a list,
+    and so are the new parameters; the update is of its members at `flat_updated` (None: all),
+    the others' spans pass through."""
+    params, pieces = _from_flat(params, flat_shapes, flat_updated)
     grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     count = len(params)
     decay, step_sizes, bias2_sqrts = scalars[0], scalars[1 : 1 + count], scalars[1 + count :]
@@ -284,17 +288,39 @@ def adam_update(
             param = param * decay.astype(dtype)
         denom = jnp.sqrt(second) / bias2_sqrts[i].astype(dtype) + jnp.asarray(eps, dtype)
         new_params.append(param + step_sizes[i].astype(dtype) * (exp_avg / denom))
-    return new_params, avgs, sqs, (maxes if amsgrad else None), clip
+    return _to_flat(new_params, pieces, flat_updated), avgs, sqs, (maxes if amsgrad else None), clip
+
+
+def _from_flat(params, shapes, updated):
+    """The parameters an update takes, and the flat root's pieces (None without a flat root)."""
+    if shapes is None:
+        return params, None
+    pieces = _split(params[0], shapes)
+    return (pieces if updated is None else [pieces[i] for i in updated]), pieces
+
+
+def _to_flat(new_params, pieces, updated):
+    """The update's new parameters as it returns them: the flat root's new array in a list."""
+    if pieces is None:
+        return new_params
+    if updated is not None:
+        pieces = list(pieces)
+        for i, new in zip(updated, new_params):
+            pieces[i] = new
+        new_params = pieces
+    return [_join(new_params)]
 
 
 def sgd_update(
     params, grads, buffers, lr, clip_grads=None, coefficient=None,
-    *, momentum, dampening, weight_decay, nesterov, maximize, first, separate=False, max_norm=None, norm_type=None
+    *, momentum, dampening, weight_decay, nesterov, maximize, first, separate=False, max_norm=None, norm_type=None,
+    flat_shapes=None, flat_updated=None,
 ):
     """One SGD step; returns (new params, new momentum buffers or None, (total norm, clip
     coefficient) or None). The buffers are one flat array, or with `separate` a list of arrays,
     one per parameter. `first`: no buffers yet (torch starts them as a copy of the gradient).
-    The clip arguments are adam_update's."""
+    The clip arguments, `flat_shapes` and `flat_updated` are adam_update's."""
+    params, pieces = _from_flat(params, flat_shapes, flat_updated)
     grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     dtype = params[0].dtype
     if maximize:
@@ -328,7 +354,7 @@ def sgd_update(
         else:
             steps = steps_from
     new_params = [param + (-lr).astype(dtype) * step for param, step in zip(params, steps)]
-    return new_params, buffers, clip
+    return _to_flat(new_params, pieces, flat_updated), buffers, clip
 
 
 class _Spans:
@@ -531,9 +557,9 @@ def _programs(update, static, state):
 
 _RAW.update(adam=(adam_update, (2, 3, 4)), sgd=(sgd_update, (2,)))
 adam_update, adam_update_in_place = _programs(
-    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "separate", "max_norm", "norm_type"), (2, 3, 4)
+    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated"), (2, 3, 4)
 )
 sgd_update, sgd_update_in_place = _programs(
-    sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "separate", "max_norm", "norm_type"), (2,)
+    sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated"), (2,)
 )
 _JITTED = {"adam": (adam_update, adam_update_in_place), "sgd": (sgd_update, sgd_update_in_place)}

@@ -623,7 +623,14 @@ def write_value(tensor: BridgeTensor, value: jax.Array) -> None:
         # A member's span of a flat root (runtime/flat.py) is written in place where it can be
         # (settled above: no deferred work waits on the root).
         written = None if members is None else members.write(root, tensor._chain, value)
-        root._value = scatter_into_root(read_value(root), tensor._chain, value) if written is None else written
+        if written is not None:
+            root._value = written
+            root._generation += 1
+            members.written(root, tensor)  # the other members' values still hold
+            tensor._value = value
+            tensor._seen = root._generation
+            return
+        root._value = scatter_into_root(read_value(root), tensor._chain, value)
     else:
         root._value = value
     root._generation += 1

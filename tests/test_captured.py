@@ -558,11 +558,15 @@ STATEFUL_OPTIMIZERS = pytest.mark.parametrize(
 
 
 @STATEFUL_OPTIMIZERS
-def test_optimizer_step_reuses_parameter_buffers_no_one_else_holds(captured, make):
+def test_optimizer_step_reuses_parameter_buffers_no_one_else_holds(captured, make, monkeypatch):
     """The update program takes the parameters' old buffers for their new values
     (runtime.tensor.held_only_by_their_tensors) once the step's graph has been freed; a
     tensor that shares a parameter's array (`.data =`) keeps it readable, and results follow
-    torch's either way."""
+    torch's either way. (Parameters each in arrays of their own: packed into one flat array,
+    test_packed_parameters_* below.)"""
+    from bridge.runtime.config import settings
+
+    monkeypatch.setattr(settings, "flat_parameters", False)
     torch.manual_seed(0)
     reference, model = _pair(MLP())
     opt_ref, opt = make(reference.parameters()), make(model.parameters())

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from bridge.runtime import capture, optimizers
+from bridge.runtime import capture, flat, optimizers
 from bridge.runtime import tensor as tensor_module
 from bridge.runtime.config import optimizer_state, settings
 from bridge.runtime.tensor import (
@@ -152,6 +152,8 @@ class _GroupUpdate:
     def __init__(self, params, dtype, state, statics):
         self.params, self.dtype, self.state, self.statics = params, dtype, state, statics
         self.numpy_dtype = np.float32 if dtype == torch.float32 else np.float64
+        self.calls = 0  # submits: a second is a step of the same structure (_Replay)
+        self.flat_root = None  # the flat root the parameters are views into, while they are
 
     def grads_usable(self, grads):
         """Whether these gradients (one per parameter, from p.grad) fit the program (in C loops:
@@ -162,13 +164,37 @@ class _GroupUpdate:
             same_dtype = all(map(operator.eq, map(_DTYPE, grads), itertools.repeat(self.dtype)))
         return same_dtype and all(map(operator.eq, map(_INDEX, grads), itertools.repeat(self.params[0]._index)))
 
+    def _param_values(self):
+        """The parameters' values as the update takes them, and the statics that say how: from
+        the update's second call on (the step's structure repeated), their flat root's one array
+        (runtime/flat.py; the update then returns one array for them, and captured regions take
+        them as one), else an array each."""
+        self.calls += 1
+        packable = settings.flat_parameters and not self.separate and not self.shards
+        found = flat.layout(self.params) if packable else None
+        if found is None and packable and self.calls >= 2 and flat.flat_parameters(self.params) is not None:
+            found = flat.layout(self.params)
+        if found is None:
+            self.flat_root = None
+            flat.release(self.params)  # written one by one, each would be written into its flat root
+            return read_values(self.params), {}
+        root, shapes, updated = found
+        self.flat_root = root
+        return [read_value(root)], {"flat_shapes": shapes, "flat_updated": updated}
+
     def _submit(self, arguments, statics, finish, now=False):
         values = arguments[0]
-        optimizers.submit(self.kind, held_only_by_their_tensors(self.params, values), arguments, statics, finish, now=now)
+        holders = self.params if self.flat_root is None else [self.flat_root]
+        optimizers.submit(self.kind, held_only_by_their_tensors(holders, values), arguments, statics, finish, now=now)
         capture.fused_steps[self.kind] = capture.fused_steps.get(self.kind, 0) + (now or optimizers.batched() is None)
 
     def _write_params(self, new_params):
-        write_values(self.params, new_params)
+        root = self.flat_root
+        if root is None:
+            write_values(self.params, new_params)
+        else:
+            write_value(root, new_params[0])
+            flat.members_of(root).forget(root)  # (the members' values cut from its last value)
 
     @functools.cached_property
     def separate(self):
@@ -236,7 +262,7 @@ class _AdamUpdate(_GroupUpdate):
             holders = [optimizers.flat_state(tensors[kind]) for kind in kinds]
             states = [read_value(root) for root in holders]
         clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
-        values = read_values(self.params)
+        values, layout = self._param_values()
 
         def finish(result):
             new_params, *new_states, clip_result = result
@@ -246,7 +272,7 @@ class _AdamUpdate(_GroupUpdate):
                 _write_state(held, value)
 
         arguments = [values, grad_values, *states, *([None] * (3 - len(kinds))), scalars, *clip_values]
-        self._submit(arguments, dict(clip_statics, separate=self.separate, **self.statics), finish)
+        self._submit(arguments, dict(clip_statics, separate=self.separate, **layout, **self.statics), finish)
 
 
 def adam(wrapped, instance, args, kwargs):
@@ -312,7 +338,7 @@ class _SGDUpdate(_GroupUpdate):
             held = optimizers.flat_state(self.buffers)
             state = read_value(held)
         clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
-        values = read_values(self.params)
+        values, layout = self._param_values()
 
         def finish(result):
             new_params, new_state, clip_result = result
@@ -331,7 +357,7 @@ class _SGDUpdate(_GroupUpdate):
         arguments = [values, grad_values, state, np.array(lr, dtype=self.numpy_dtype), *clip_values]
         # The first step's buffers are new tensors torch puts in the state right after this
         # call: that update runs now, not with the step's other groups.
-        self._submit(arguments, dict(clip_statics, separate=separate, **self.statics), finish, now=first)
+        self._submit(arguments, dict(clip_statics, separate=separate, **layout, **self.statics), finish, now=first)
 
 
 def sgd(wrapped, instance, args, kwargs):
@@ -837,6 +863,20 @@ def _wrap_step(step):
     return captured_step
 
 
+def add_param_group(wrapped, instance, args, kwargs):
+    """torch's add_param_group (its __init__ calls it for each group). In captured mode the
+    group's parameters then move into one flat array (runtime/flat.py): before the model's
+    region is first traced, so that it compiles for them packed once, rather than once per
+    parameter and again when the first steps pack them."""
+    result = wrapped(*args, **kwargs)
+    if settings.capture and settings.flat_parameters and not settings.tracing:
+        params = instance.param_groups[-1]["params"]
+        if _uniform(params) is not None and all(p.requires_grad for p in params):
+            if optimizer_state(sum(map(torch.Tensor.numel, params)) * params[0].element_size()) == "flat":
+                flat.flat_parameters(list(params))
+    return result
+
+
 def state_dict(wrapped, instance, args, kwargs):
     """The state as torch has it: host step counts brought up to date first."""
     region = _step_regions.get(instance)
@@ -891,5 +931,6 @@ PATCHES += [
     Patch(importlib.import_module("torch.optim.adamw"), "adam", wrapper=adam),
     Patch(importlib.import_module("torch.optim.sgd"), "sgd", wrapper=sgd),
     Patch(torch.optim.Optimizer, "state_dict", wrapper=state_dict),
+    Patch(torch.optim.Optimizer, "add_param_group", wrapper=add_param_group),
     _StepPatch(),
 ]
