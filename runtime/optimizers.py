@@ -245,7 +245,7 @@ def _adam_moments(exp_avg, exp_avg_sq, grad, beta1, beta2, dtype):
 def adam_update(
     params, grads, avgs, sqs, maxes, scalars, clip_grads=None, coefficient=None,
     *, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, separate=False, max_norm=None, norm_type=None,
-    flat_shapes=None, flat_updated=None,
+    flat_shapes=None, flat_updated=None, uniform=False,
 ):
     """One Adam/AdamW step; returns the new (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or
     None, (total norm, clip coefficient) or None). The moments are flat arrays (`flat_state`),
@@ -255,7 +255,28 @@ def adam_update(
     `clip_grads` (to compute the coefficient) or the `coefficient`, and `max_norm` and
     `norm_type`. With `flat_shapes`, `params` is a flat root's array (runtime/flat.py) in a list,
     and so are the new parameters; the update is of its members at `flat_updated` (None: all),
-    the others' spans pass through."""
+    the others' spans pass through. `uniform`: every parameter has taken as many steps (its
+    scalars are the first parameter's)."""
+    if flat_shapes is not None and flat_updated is None and uniform and not separate:
+        # The whole root at once: one elementwise pass over the parameters, their joined
+        # gradients and the moments, each updated in its donated buffer.
+        grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
+        param, count = params[0], len(flat_shapes)
+        dtype = param.dtype
+        grad = _join(grads)
+        if maximize:
+            grad = -grad
+        if weight_decay != 0 and not decoupled:
+            grad = grad + jnp.asarray(weight_decay, dtype) * param
+        avgs, sqs = _adam_moments(avgs, sqs, grad, beta1, beta2, dtype)
+        second = sqs
+        if amsgrad:
+            maxes = second = jnp.maximum(maxes, sqs)
+        if weight_decay != 0 and decoupled:
+            param = param * scalars[0].astype(dtype)
+        denom = jnp.sqrt(second) / scalars[1 + count].astype(dtype) + jnp.asarray(eps, dtype)
+        param = param + scalars[1].astype(dtype) * (avgs / denom)
+        return [param], avgs, sqs, (maxes if amsgrad else None), clip
     params, pieces = _from_flat(params, flat_shapes, flat_updated)
     grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     count = len(params)
@@ -320,6 +341,23 @@ def sgd_update(
     coefficient) or None). The buffers are one flat array, or with `separate` a list of arrays,
     one per parameter. `first`: no buffers yet (torch starts them as a copy of the gradient).
     The clip arguments, `flat_shapes` and `flat_updated` are adam_update's."""
+    if flat_shapes is not None and flat_updated is None and not separate:
+        # The whole root at once: one elementwise pass (see adam_update).
+        grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
+        param = params[0]
+        dtype = param.dtype
+        grad = _join(grads)
+        if maximize:
+            grad = -grad
+        if weight_decay != 0:
+            grad = grad + jnp.asarray(weight_decay, dtype) * param
+        if momentum == 0:
+            step = grad
+        else:
+            scale = jnp.asarray(momentum, dtype)
+            buffers = grad if first else buffers * scale + jnp.asarray(1 - dampening, dtype) * grad
+            step = grad + scale * buffers if nesterov else buffers
+        return [param + (-lr).astype(dtype) * step], (None if momentum == 0 else buffers), clip
     params, pieces = _from_flat(params, flat_shapes, flat_updated)
     grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     dtype = params[0].dtype
@@ -557,7 +595,7 @@ def _programs(update, static, state):
 
 _RAW.update(adam=(adam_update, (2, 3, 4)), sgd=(sgd_update, (2,)))
 adam_update, adam_update_in_place = _programs(
-    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated"), (2, 3, 4)
+    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated", "uniform"), (2, 3, 4)
 )
 sgd_update, sgd_update_in_place = _programs(
     sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated"), (2,)

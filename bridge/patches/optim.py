@@ -247,7 +247,8 @@ class _AdamUpdate(_GroupUpdate):
         # As torch computes them, in Python floats: bias corrections, the step size, its sign;
         # sent to the device as one array. (Every parameter has taken as many steps, usually.)
         count = len(counts)
-        if counts.count(counts[0]) == count:
+        uniform = counts.count(counts[0]) == count
+        if uniform:
             sizes, corrections = [(lr / (1 - beta1 ** counts[0])) * -1] * count, [(1 - beta2 ** counts[0]) ** 0.5] * count
         else:
             sizes, corrections = [(lr / (1 - beta1**c)) * -1 for c in counts], [(1 - beta2**c) ** 0.5 for c in counts]
@@ -272,6 +273,8 @@ class _AdamUpdate(_GroupUpdate):
                 _write_state(held, value)
 
         arguments = [values, grad_values, *states, *([None] * (3 - len(kinds))), scalars, *clip_values]
+        if layout:
+            layout["uniform"] = uniform
         self._submit(arguments, dict(clip_statics, separate=self.separate, **layout, **self.statics), finish)
 
 
