@@ -15,7 +15,7 @@ one flat root each, their `_chain` a slice and a reshape of it (`make_members`):
   its "packs"), each still a parameter of its own to torch's autograd.
 
 Reading a member whose root changed cuts every member out of the root in one program
-(`Members.refresh`), and writing one writes its span of the root in place where nothing else
+(`Members.piece`), and writing one writes its span of the root in place where nothing else
 holds the root's array (`write_span`); a member written some other way is scattered into the root
 as any view is.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 import gc
 import math
 import sys
-import weakref
 
 import jax
 import jax.numpy as jnp
@@ -64,27 +63,36 @@ _split_jit = jax.jit(split, static_argnums=1)
 
 
 class Members:
-    """A flat root's members, held weakly: for each, its span of the root (start, stop, shape)."""
+    """A flat root's members: for each, its span of the root (start, stop, shape), and the
+    members' values cut from the root's current value, once one was read (`pieces`). The
+    members are known by identity only (held, the root and they would keep each other alive; held
+    weakly, torch.utils.swap_tensors, which Module.to uses, refuses to swap them)."""
 
-    __slots__ = ("refs", "spans", "ids", "id_set", "index", "by_chain", "__weakref__")
+    __slots__ = ("spans", "ids", "index", "by_chain", "span_index", "pieces", "generation")
 
     def __init__(self, tensors, spans, chains):
-        self.refs = [weakref.ref(tensor) for tensor in tensors]
         self.spans = spans
         self.ids = tuple(map(id, tensors))
-        self.id_set = frozenset(self.ids)
         self.index = {key: position for position, key in enumerate(self.ids)}
         self.by_chain = dict(zip(chains, spans))  # a member's chain -> its span (an alias has the same chain)
+        self.span_index = {span: position for position, span in enumerate(spans)}
+        self.pieces = None  # every member's value, cut from the root at `generation`
+        self.generation = -1
 
-    def refresh(self, root, value):
-        """Give every live member its value cut from the root's `value`, in one program."""
-        pieces = _split_jit(value, tuple(shape for _, _, shape in self.spans))
-        generation = root._generation
-        for ref, piece in zip(self.refs, pieces):
-            tensor = ref()
-            if tensor is not None and tensor._root is root:
-                tensor._value = piece
-                tensor._seen = generation
+    def position(self, tensor):
+        """The tensor's place among the members, or None for a tensor that is not one."""
+        position = self.index.get(id(tensor))
+        if position is None or self.by_chain.get(tensor._chain) != self.spans[position]:
+            return None  # (another tensor where a member was: ids are reused)
+        return position
+
+    def piece(self, root, value, position):
+        """The member's value cut from the root's current `value`: every member is cut in one
+        program, the first time one is read after the root changed."""
+        if self.pieces is None or self.generation != root._generation:
+            self.pieces = list(_split_jit(value, tuple(shape for _, _, shape in self.spans)))
+            self.generation = root._generation
+        return self.pieces[position]
 
     def write(self, root, chain, value):
         """The root's new value with `value` written into the span that `chain` (a member's, or an
@@ -98,24 +106,20 @@ class Members:
         write = _write_span_donated if sys.getrefcount(flat) <= 3 else _write_span
         return write(flat, value, span[0])
 
-    def written(self, root, tensor):
-        """After `tensor` (a member, or an alias of one) was written into its span: the other
-        members' values, cut before, still hold (a loop that reads and writes one parameter after
-        another, as LBFGS's or a hand-written update does, cuts them once)."""
-        generation, span = root._generation, self.by_chain[tensor._chain]
-        for ref, other_span in zip(self.refs, self.spans):
-            other = ref()
-            if other is not None and other_span != span and other._seen == generation - 1 and other._root is root:
-                other._seen = generation
+    def written(self, root, chain, value):
+        """After `value` was written into the span `chain` names (the root's generation moved on
+        by one): the other members' values, cut before, still hold (a loop that reads and writes
+        one parameter after another, as LBFGS's or a hand-written update does, cuts them once)."""
+        if self.pieces is not None and self.generation == root._generation - 1:
+            span = self.by_chain[chain]
+            position = self.span_index[span]
+            self.pieces[position] = value.reshape(span[2]).astype(self.pieces[position].dtype)
+            self.generation = root._generation
 
-    def forget(self, root):
-        """Drop the members' values cut from an earlier value of the root (they hold memory as
-        large as the root's): read again, they are cut from its current value."""
-        for ref, (_, _, shape) in zip(self.refs, self.spans):
-            tensor = ref()
-            if tensor is not None and tensor._root is root and isinstance(tensor._value, jax.Array):
-                tensor._value = jax.ShapeDtypeStruct(shape, tensor._value.dtype)
-                tensor._seen = -1
+    def forget(self):
+        """Drop the members' values cut from an earlier value of the root (as large as the root).
+        A member read since holds its own until it is read again."""
+        self.pieces = None
 
 
 def members_of(root):
@@ -129,7 +133,7 @@ def is_member(tensor):
     if root is None:
         return False
     members = root.__dict__.get("_members")
-    return members is not None and id(tensor) in members.id_set and tensor._chain in members.by_chain
+    return members is not None and members.position(tensor) is not None
 
 
 def make_members(root, tensors, shapes):

@@ -540,11 +540,11 @@ def read_value(tensor: BridgeTensor) -> jax.Array:
         return value
     value = read_value(root)
     members = None if settings.tracing else root.__dict__.get("_members")
-    if members is not None and id(tensor) in members.id_set:
-        # A member of a flat root (runtime/flat.py): every member is cut from it in one program.
-        members.refresh(root, value)
-        if tensor._seen == root._generation:
-            return tensor._value
+    position = None if members is None else members.position(tensor)
+    if position is not None:
+        # A member of a flat root (runtime/flat.py): every member is cut from it in one program,
+        # and kept there only (kept here too, it would outlive the root's next value).
+        return members.piece(root, value, position)
     for apply_view in tensor._chain:
         value = apply_view(value)
     tensor._value = value
@@ -626,9 +626,8 @@ def write_value(tensor: BridgeTensor, value: jax.Array) -> None:
         if written is not None:
             root._value = written
             root._generation += 1
-            members.written(root, tensor)  # the other members' values still hold
-            tensor._value = value
-            tensor._seen = root._generation
+            members.written(root, tensor._chain, value)  # the members' values, this one's too, still hold
+            tensor._seen = -1  # (read through the members' values)
             return
         root._value = scatter_into_root(read_value(root), tensor._chain, value)
     else:

@@ -194,7 +194,7 @@ class _GroupUpdate:
             write_values(self.params, new_params)
         else:
             write_value(root, new_params[0])
-            flat.members_of(root).forget(root)  # (the members' values cut from its last value)
+            flat.members_of(root).forget()  # (the members' values cut from its last value)
 
     @functools.cached_property
     def separate(self):
