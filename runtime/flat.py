@@ -238,8 +238,9 @@ def flat_parameters(params):
         if not isinstance(value, jax.Array) or len(value.sharding.device_set) != 1:
             return None
         roots.append(param if owner is None else owner)
-    if _viewed_by_others(params, roots):
-        return None
+    aliased = [id(root) for root in roots if members_of(root) is None]
+    if len(set(aliased)) < len(aliased) or _viewed_by_others(params, roots):
+        return None  # (two parameters aliasing one root share memory: one span could not hold both)
     values = [read_value(param) for param in params]
     root = BridgeTensor(join_jit(values), first._index)
     make_members(root, params, [tuple(value.shape) for value in values])
