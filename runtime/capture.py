@@ -1098,7 +1098,6 @@ def _write_back(program, input_tensors, mutated, written, new_key):
     for k, value in zip(program.pack_writes, mutated[len(program.mutated_roots) :]):
         root = program.roots[program.packs[k].carrier]._root
         write_value(root, value)
-        flat.members_of(root).forget()
     for position, value in zip(program.mutated_inputs, written):
         write_value(input_tensors[position], value)
     random.swap_key(new_key)

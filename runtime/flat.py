@@ -117,8 +117,8 @@ class Members:
             self.generation = root._generation
 
     def forget(self):
-        """Drop the members' values cut from an earlier value of the root (as large as the root).
-        A member read since holds its own until it is read again."""
+        """Drop the members' values cut from the root's last value (as large as the root):
+        runtime.tensor.write_value calls it when the root itself is written."""
         self.pieces = None
 
 

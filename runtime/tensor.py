@@ -615,6 +615,9 @@ def write_value(tensor: BridgeTensor, value: jax.Array) -> None:
     if root is None:
         tensor._value = value
         tensor._generation += 1
+        members = tensor.__dict__.get("_members")
+        if members is not None:
+            members.forget()  # a flat root's members' values, cut from its last value (runtime/flat.py)
         return
     if tensor._chain:
         from .views import scatter_into_root

@@ -153,7 +153,7 @@ class _GroupUpdate:
         self.params, self.dtype, self.state, self.statics = params, dtype, state, statics
         self.numpy_dtype = np.float32 if dtype == torch.float32 else np.float64
         self.calls = 0  # submits: a second is a step of the same structure (_Replay)
-        self.flat_root = None  # the flat root the parameters are views into, while they are
+        self.flat_root = None  # the flat root this call's parameters are members of, or None
 
     def grads_usable(self, grads):
         """Whether these gradients (one per parameter, from p.grad) fit the program (in C loops:
@@ -165,10 +165,10 @@ class _GroupUpdate:
         return same_dtype and all(map(operator.eq, map(_INDEX, grads), itertools.repeat(self.params[0]._index)))
 
     def _param_values(self):
-        """The parameters' values as the update takes them, and the statics that say how: from
-        the update's second call on (the step's structure repeated), their flat root's one array
-        (runtime/flat.py; the update then returns one array for them, and captured regions take
-        them as one), else an array each."""
+        """The parameters' values as the update takes them, and the statics that say how: where
+        they are members of one flat root (runtime/flat.py; packed when the optimizer took its
+        groups, or here once the step's structure repeats), the root's one array, which the update
+        returns new; else an array each."""
         self.calls += 1
         packable = settings.flat_parameters and not self.separate and not self.shards
         found = flat.layout(self.params) if packable else None
@@ -194,7 +194,6 @@ class _GroupUpdate:
             write_values(self.params, new_params)
         else:
             write_value(root, new_params[0])
-            flat.members_of(root).forget()  # (the members' values cut from its last value)
 
     @functools.cached_property
     def separate(self):
