@@ -258,25 +258,14 @@ def adam_update(
     the others' spans pass through. `uniform`: every parameter has taken as many steps (its
     scalars are the first parameter's)."""
     if flat_shapes is not None and flat_updated is None and uniform and not separate:
-        # The whole root at once: one elementwise pass over the parameters, their joined
-        # gradients and the moments, each updated in its donated buffer.
-        grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
-        param, count = params[0], len(flat_shapes)
-        dtype = param.dtype
-        grad = _join(grads)
-        if maximize:
-            grad = -grad
-        if weight_decay != 0 and not decoupled:
-            grad = grad + jnp.asarray(weight_decay, dtype) * param
-        avgs, sqs = _adam_moments(avgs, sqs, grad, beta1, beta2, dtype)
-        second = sqs
-        if amsgrad:
-            maxes = second = jnp.maximum(maxes, sqs)
-        if weight_decay != 0 and decoupled:
-            param = param * scalars[0].astype(dtype)
-        denom = jnp.sqrt(second) / scalars[1 + count].astype(dtype) + jnp.asarray(eps, dtype)
-        param = param + scalars[1].astype(dtype) * (avgs / denom)
-        return [param], avgs, sqs, (maxes if amsgrad else None), clip
+        # The whole root at once, as one parameter with the joined gradients: one elementwise
+        # pass over it and the moments, each updated in its donated buffer.
+        whole = jnp.stack([scalars[0], scalars[1], scalars[1 + len(flat_shapes)]])
+        return _adam_update(
+            params, [_join(grads)], avgs, sqs, maxes, whole, clip_grads, coefficient, beta1=beta1, beta2=beta2,
+            eps=eps, weight_decay=weight_decay, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize,
+            max_norm=max_norm, norm_type=norm_type,
+        )
     params, pieces = _from_flat(params, flat_shapes, flat_updated)
     grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     count = len(params)
@@ -312,6 +301,9 @@ def adam_update(
     return _to_flat(new_params, pieces, flat_updated), avgs, sqs, (maxes if amsgrad else None), clip
 
 
+_adam_update = adam_update  # (the name adam_update is the jitted program's below)
+
+
 def _from_flat(params, shapes, updated):
     """The parameters an update takes, and the flat root's pieces (None without a flat root)."""
     if shapes is None:
@@ -342,22 +334,12 @@ def sgd_update(
     one per parameter. `first`: no buffers yet (torch starts them as a copy of the gradient).
     The clip arguments, `flat_shapes` and `flat_updated` are adam_update's."""
     if flat_shapes is not None and flat_updated is None and not separate:
-        # The whole root at once: one elementwise pass (see adam_update).
-        grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
-        param = params[0]
-        dtype = param.dtype
-        grad = _join(grads)
-        if maximize:
-            grad = -grad
-        if weight_decay != 0:
-            grad = grad + jnp.asarray(weight_decay, dtype) * param
-        if momentum == 0:
-            step = grad
-        else:
-            scale = jnp.asarray(momentum, dtype)
-            buffers = grad if first else buffers * scale + jnp.asarray(1 - dampening, dtype) * grad
-            step = grad + scale * buffers if nesterov else buffers
-        return [param + (-lr).astype(dtype) * step], (None if momentum == 0 else buffers), clip
+        # The whole root at once, as one parameter (see adam_update).
+        return _sgd_update(
+            params, [_join(grads)], buffers, lr, clip_grads, coefficient, momentum=momentum, dampening=dampening,
+            weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, first=first, max_norm=max_norm,
+            norm_type=norm_type,
+        )
     params, pieces = _from_flat(params, flat_shapes, flat_updated)
     grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     dtype = params[0].dtype
@@ -393,6 +375,9 @@ def sgd_update(
             steps = steps_from
     new_params = [param + (-lr).astype(dtype) * step for param, step in zip(params, steps)]
     return _to_flat(new_params, pieces, flat_updated), buffers, clip
+
+
+_sgd_update = sgd_update  # (the name sgd_update is the jitted program's below)
 
 
 class _Spans:
