@@ -167,9 +167,11 @@ def flat_state(tensors):
     a checkpoint) gives its current value, and writing one writes the root. State replaced
     since (load_state_dict makes new tensors) is gathered into a new root."""
     root = holding(tensors)
-    if root is not None:
-        return root
-    values = [read_value(tensor) for tensor in tensors]
+    return root if root is not None else _gathered(tensors, [read_value(tensor) for tensor in tensors])
+
+
+def _gathered(tensors, values):
+    """A new flat root holding `values`, the tensors' current values, with the tensors its members."""
     root = BridgeTensor(join_jit(values), tensors[0]._index)
     make_members(root, tensors, [tuple(value.shape) for value in values])
     return root
@@ -234,16 +236,14 @@ def flat_parameters(params):
         owner = param._root
         if owner is not None and (owner._pending is not None or (param._chain and not is_member(param))):
             return None
-        value = read_value(param)
-        if not isinstance(value, jax.Array) or len(value.sharding.device_set) != 1:
-            return None
         roots.append(param if owner is None else owner)
+    values = [read_value(param) for param in params]
+    if not all(isinstance(value, jax.Array) and len(value.sharding.device_set) == 1 for value in values):
+        return None
     aliased = [id(root) for root in roots if members_of(root) is None]
     if len(set(aliased)) < len(aliased) or _viewed_by_others(params, roots):
         return None  # (two parameters aliasing one root share memory: one span could not hold both)
-    values = [read_value(param) for param in params]
-    root = BridgeTensor(join_jit(values), first._index)
-    make_members(root, params, [tuple(value.shape) for value in values])
+    root = _gathered(params, values)
     for param, old in zip(params, roots):
         if old is not param and members_of(old) is None:
             # The root a parameter aliased (Module.to's result, a tensor given to nn.Parameter)
