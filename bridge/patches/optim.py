@@ -198,7 +198,12 @@ class _GroupUpdate:
     @functools.cached_property
     def separate(self):
         """Whether the state tensors hold arrays of their own (else views into flat roots)."""
-        return optimizer_state(sum(map(torch.Tensor.numel, self.params)) * self.params[0].element_size()) == "separate"
+        return _state_layout(self.params) == "separate"
+
+
+def _state_layout(params):
+    """The layout of a group's state (runtime.config.optimizer_state, by the group's size)."""
+    return optimizer_state(sum(map(torch.Tensor.numel, params)) * params[0].element_size())
 
 
 def _write_state(held, value):
@@ -873,9 +878,8 @@ def add_param_group(wrapped, instance, args, kwargs):
     result = wrapped(*args, **kwargs)
     if settings.capture and settings.flat_parameters and not settings.tracing:
         params = instance.param_groups[-1]["params"]
-        if _uniform(params) is not None and all(p.requires_grad for p in params):
-            if optimizer_state(sum(map(torch.Tensor.numel, params)) * params[0].element_size()) == "flat":
-                flat.flat_parameters(list(params))
+        if _uniform(params) is not None and all(p.requires_grad for p in params) and _state_layout(params) == "flat":
+            flat.flat_parameters(list(params))
     return result
 
 
