@@ -105,3 +105,15 @@ def run_python(*args, cwd=None, env=None, timeout=300):
     return subprocess.run(
         [sys.executable, *args], cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout
     )
+
+
+def loaded_in_plain_torch(bridge, path):
+    """torch.load(path) onto the host with the bridge off, as a script without it loads a
+    checkpoint; the bridge is on again after."""
+    import torch
+
+    bridge.deactivate()
+    try:
+        return torch.load(path, map_location="cpu")
+    finally:
+        bridge.activate()

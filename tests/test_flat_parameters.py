@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import loaded_in_plain_torch
 from bridge.runtime import capture, flat
 from bridge.runtime.tensor import read_value, root_of
 
@@ -127,11 +128,7 @@ def test_a_checkpoint_of_packed_parameters_loads_in_plain_torch(captured, tmp_pa
     reference, model, _, _ = _train(OPTIMIZERS[0].values[0], steps=3)
     path = tmp_path / "model.pt"
     torch.save(model.state_dict(), path)
-    captured.deactivate()
-    try:
-        loaded = torch.load(path, map_location="cpu")
-    finally:
-        captured.activate()
+    loaded = loaded_in_plain_torch(captured, path)
     for (name, expected), value in zip(reference.state_dict().items(), loaded.values()):
         assert value.untyped_storage().nbytes() == value.numel() * value.element_size(), name
         torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6, msg=name)

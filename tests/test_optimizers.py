@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from conftest import loaded_in_plain_torch
 from bridge.runtime import capture
 
 O = torch.optim
@@ -141,11 +142,7 @@ def test_saved_state_loads_in_plain_torch(captured, tmp_path):
     assert sum(capture.fused_steps.values()) == 3
     path = tmp_path / "opt.pt"
     torch.save(optimizer.state_dict(), path)
-    captured.deactivate()
-    try:
-        loaded = torch.load(path, map_location="cpu")
-    finally:
-        captured.activate()
+    loaded = loaded_in_plain_torch(captured, path)
     for state in loaded["state"].values():
         assert state["step"].device.type == "cpu" and float(state["step"]) == 4.0
 
