@@ -17,6 +17,7 @@ import torch
 from conftest import REPO, run_python
 
 SCRIPTS = os.path.join(REPO, "tests", "distributed")
+_GLOO_EXIT_ABORT = "terminate called without an active exception"
 # torch's launcher prints its own warnings and every process its gloo connections: not the test's.
 _NOISE = re.compile(r"^(W\d{4}|I\d{4}|E\d{4}|\[Gloo\]|\*+$|Setting OMP_NUM_THREADS)")
 
@@ -28,7 +29,13 @@ def _launch(processes, script, *args, bridge=True, mode="captured", env=None, ti
         command += ["--report", report] if report else []
     else:
         command = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}"]
-    return run_python(*command, os.path.join(SCRIPTS, script), *args, env=env, timeout=timeout)
+    done = run_python(*command, os.path.join(SCRIPTS, script), *args, env=env, timeout=timeout)
+    if not bridge and done.returncode != 0 and _GLOO_EXIT_ABORT in done.stdout + done.stderr:
+        # Plain torch's gloo sometimes aborts a rank as it exits, after the script has finished (seen
+        # once in CI on torch 2.13: rank 1 SIGABRT after destroy_process_group). That is the
+        # reference run failing, not the bridge: run the reference once more.
+        done = run_python(*command, os.path.join(SCRIPTS, script), *args, env=env, timeout=timeout)
+    return done
 
 
 def _succeeded(done):
