@@ -622,10 +622,12 @@ def _direct_item(value):
     if kind is int or kind is bool or value is None or kind in _STATIC_ARGUMENT_TYPES:
         return (kind, value)
     if kind is list or kind is tuple:
+        if value and type(value[0]) is BridgeTensor:
+            if all(type(item) is BridgeTensor for item in value):
+                return (kind, tuple([(item.shape, item.dtype, item._index) for item in value]))  # cat's tensors
+            return None
         if all(type(item) is int for item in value):
             return (kind, tuple(value))  # sizes, dims
-        if value and all(type(item) is BridgeTensor for item in value):
-            return (kind, tuple((item.shape, item.dtype, item._index) for item in value))  # cat's tensors
     return None
 
 
@@ -676,6 +678,8 @@ def _mapped_plan(func, mapping):
     def run(args, kwargs):
         if direct is not None and settings.host_int_ops and not settings.tracing:
             first = args[0] if args else None
+            if (type(first) is list or type(first) is tuple) and first:
+                first = first[0]  # cat's, stack's tensors
             if type(first) is not BridgeTensor or first.dtype in _HOST_DTYPES:
                 out = _on_host(func, call, args, kwargs, new_shapes=False)
                 if out is not None:
@@ -864,24 +868,65 @@ def _remember_direct(direct, direct_key, args, program, index):
 def _view_plan(func, mapping):
     compute = _mapped_plan(func, mapping)
     identity = mapping.identity_view  # the whole base at equal shapes: no step in a view chain
+    # A call repeating an earlier one's direct key (_direct_key) makes its views without running
+    # anything: their shapes and dtypes are the earlier results', and each runs the earlier
+    # call's program on its base when first read (BridgeTensor._made), or applies its chain to
+    # its root's value if the root has changed since (as a view whose root changed does).
+    # torch's views run no kernel; an eager `x[:, 0]` or `view` ran a program call at once, as
+    # much host time as the rest of the op's work together, whether or not it was read.
+    lazy = {}  # direct key -> what _lazy_view takes after the base
 
     def run(args, kwargs):
-        out = compute(args, kwargs)
         base = args[0]
+        key = None
+        if type(base) is BridgeTensor and base.dtype not in _HOST_DTYPES and settings.compile_ops and not settings.tracing:
+            key = _direct_key(args, kwargs)
+            known = lazy.get(key) if key is not None else None
+            if known is not None:
+                return _lazy_view(base, *known)
+            if key is not None and len(args) > 1 and _direct_tensors(args[1:]):
+                key = None  # (views of the base only)
+        out = compute(args, kwargs)
         if not isinstance(base, BridgeTensor):
             return out
         root = root_of(base)
         rest = args[1:]
         if identity and out.shape == base.shape:
             _make_view(out, root, base._chain)
+            step = None
         elif isinstance(out, BridgeTensor):
-            _make_view(out, root, base._chain + (ViewStep(mapping, rest, kwargs, None),))
+            step = ViewStep(mapping, rest, kwargs, None)
+            _make_view(out, root, base._chain + (step,))
         else:
             for position, item in enumerate(out):
                 _make_view(item, root, base._chain + (ViewStep(mapping, rest, kwargs, position),))
+            return out
+        if key is not None:
+            _learn_lazy(lazy, key, out, step, compute.direct.get(key))
         return out
 
     return run
+
+
+def _learn_lazy(lazy, key, out, step, direct):
+    """Remember a view call's program (`direct`: the one _mapped_plan keeps for the key), its
+    result's shape and dtype and its step (one view on the device only: one made on the host
+    keeps its host value; the several views of a split would each run the program that makes
+    them all)."""
+    if direct is None or type(out) is not BridgeTensor or out._pending is not None or out._host is not None:
+        return
+    if len(lazy) >= _DIRECT_LIMIT:
+        lazy.clear()
+    lazy[key] = (direct[0], jax.ShapeDtypeStruct(out._value.shape, out._value.dtype), step, direct[1])
+
+
+def _lazy_view(base, program, struct, step, index):
+    root = root_of(base)
+    view = BridgeTensor(struct, index)
+    view._root, view._seen = root, -1
+    view._chain = base._chain if step is None else base._chain + (step,)
+    view._made = (program, base, root._generation)
+    return view
 
 
 def _make_view(view, root, chain):

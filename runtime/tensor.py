@@ -47,10 +47,14 @@ class BridgeTensor(torch.Tensor):
     #   a value not yet copied to the device (OnHost)
     # _host: None, or (numpy array, root, root's generation): the tensor's value on the host as of
     #   that generation of its root (None for a root itself); see host_array
+    # _made: None, or (program, base, root's generation): a view made
+    #   without running its op (runtime.dispatch._view_plan), computed from its base when first
+    #   read if its root is unchanged since
 
     # What a new tensor owning its data starts with (instances set their own when they change).
     _pending: Any = None
     _host: Any = None
+    _made: Any = None
     _root = None
     _chain = ()
     _seen = 0
@@ -528,6 +532,14 @@ def read_value(tensor: BridgeTensor) -> jax.Array:
         root._pending.resolve(root)  # (deferred work writes the root: the view's value may change)
     if tensor._seen == root._generation:
         return tensor._value
+    made = tensor._made
+    if made is not None:
+        tensor._made = None
+        program, base, generation = made
+        if generation == root._generation and root_of(base) is root and not settings.tracing:
+            value = tensor._value = program([read_value(base)])
+            tensor._seen = generation
+            return value
     host = tensor._host
     if host is not None and host[1] is root and host[2] == root._generation and not settings.tracing:
         value = tensor._value = devices.put(_c_order(host[0]), tensor._index)  # a view made on the host

@@ -121,6 +121,30 @@ def test_sibling_views_share_writes(bridged):
         _same(expected, actual)
 
 
+def test_repeated_views_read_their_base_when_read(bridged):
+    """A view op repeated with the same shapes and arguments makes its view without running a
+    program (runtime.dispatch._view_plan); read later, it has its base's value as of the read:
+    unchanged, written in place since, or written through another view, as torch's views."""
+    results = []
+    for device in ("cpu", "cuda"):
+        x = torch.arange(12.0).reshape(3, 4).to(device)
+        seen = []
+        for step in range(4):
+            column = x[:, 0]
+            flat = x.view(12)
+            row_of_t = x.t()[1]  # a view of a view
+            seen.append(column.clone())
+            x.add_(1.0)
+            seen += [flat.clone(), row_of_t.clone()]
+            x[0, 1] = 100.0 + step
+            x[:, 2].mul_(2.0)  # a write through a repeated view
+            seen += [row_of_t.clone(), column.clone(), x.t()[2].clone()]
+        results.append(seen)
+    assert len(results[1]) == 24
+    for expected, actual in zip(*results):
+        _same(expected, actual)
+
+
 # Writes through the views between complex and real numbers land on the right components.
 COMPLEX_VIEW_WRITES = {
     "real zero_": (lambda z: z.real.zero_(), True),
