@@ -7,7 +7,8 @@ those real training loops run between the model and the optimizer, and small ari
 
 Each figure is the median over 7 repeats of `number` calls, the device synchronized at the end
 of each repeat (so a figure is the host's cost per call where the op is small, and the device's
-where it is not). Ratios: bridge / raw JAX (goal: at most 2x) and bridge / torch. Loop-level
+where it is not). The bridge's and raw JAX's repeats of one op alternate (JAX, bridge, JAX, ...),
+so that a shared machine's drift reaches both alike; torch's run before the bridge is activated. Ratios: bridge / raw JAX (goal: at most 2x) and bridge / torch. Loop-level
 rows (zero_grad, a scheduler step, an accuracy computation) have no single JAX op: they are
 compared with torch only. Writes <out>/<name>.{md,json}.
 """
@@ -26,18 +27,31 @@ sys.path.insert(0, HERE)
 import machine  # noqa: E402
 
 
-def per_call_us(function, sync, number, repeat=7):
+def _warm(function, sync):
     for _ in range(3):
         function()  # warm: compiles, caches
     sync()
-    samples = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        for _ in range(number):
-            result = function()
-        sync(result)
-        samples.append((time.perf_counter() - start) / number * 1e6)
-    return statistics.median(samples)
+
+
+def _sample(function, sync, number):
+    start = time.perf_counter()
+    for _ in range(number):
+        result = function()
+    sync(result)
+    return (time.perf_counter() - start) / number * 1e6
+
+
+def per_call_us(function, sync, number, repeat=7):
+    _warm(function, sync)
+    return statistics.median(_sample(function, sync, number) for _ in range(repeat))
+
+
+def alternated_us(first, second, number, repeat=7):
+    """Medians of two (function, sync) pairs measured in turn, repeat by repeat."""
+    _warm(*first)
+    _warm(*second)
+    samples = [(_sample(*first, number), _sample(*second, number)) for _ in range(repeat)]
+    return statistics.median(a for a, _ in samples), statistics.median(b for _, b in samples)
 
 
 def torch_cases(torch, device):
@@ -233,11 +247,6 @@ def main(argv=None):
         if result is not None:
             jax.block_until_ready(result)
 
-    for name, (setup, call) in chosen(jax_cases(jax, jnp)).items():
-        arrays = setup()
-        results[name]["jax"] = per_call_us(lambda: call(*arrays), sync_jax, options.number)
-        print(f"jax {name}: {results[name]['jax']:.1f} us", flush=True)
-
     import bridge
     from bridge.runtime.tensor import BridgeTensor, read_value
 
@@ -250,9 +259,18 @@ def main(argv=None):
             jax.block_until_ready(values)
         torch.cuda.synchronize()
 
+    raw = chosen(jax_cases(jax, jnp))
     for name, (setup, call) in chosen(torch_cases(torch, "cuda")).items():
         state = setup()
-        results[name]["bridge"] = per_call_us(lambda: call(state), sync_bridge, options.number)
+        bridged = (lambda: call(state), sync_bridge)
+        if name in raw:
+            arrays = raw[name][0]()
+            results[name]["jax"], results[name]["bridge"] = alternated_us(
+                (lambda: raw[name][1](*arrays), sync_jax), bridged, options.number
+            )
+            print(f"jax {name}: {results[name]['jax']:.1f} us", flush=True)
+        else:
+            results[name]["bridge"] = per_call_us(*bridged, options.number)
         print(f"bridge {name}: {results[name]['bridge']:.1f} us", flush=True)
     bridge.deactivate()
     floors = _floors(torch, jax, jnp, options.number)
@@ -275,7 +293,8 @@ def main(argv=None):
         f"# Eager op overhead: the bridge, raw JAX and torch ({native} torch, JAX on {versions['backend']})\n\n"
         f"Command: `{command}`; generated "
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\nMachine and versions: {json.dumps(versions)}\n\n"
-        "Median microseconds a call (7 repeats; the device synchronized at the end of each repeat).\n\n"
+        "Median microseconds a call (7 repeats; the device synchronized at the end of each repeat; the bridge's "
+        "and raw JAX's repeats alternate).\n\n"
         + "\n".join(rows)
         + (f"\n\nbridge / raw JAX: median {statistics.median(ratios):.2f}x, largest {max(ratios):.2f}x; "
            f"above 2x: {', '.join(over) or 'none'}.\n\n" if ratios else "\n\n")

@@ -229,10 +229,11 @@ def local_scalar_dense(self):
     # launched (a training step's optimizer update), so `loss.item()` would return later and
     # the next step's host work would start on an idle device.
     self = np.asarray(self).reshape(())
-    if self.dtype == np.bool_:
+    kind = self.dtype.kind
+    if kind == "b":
         return bool(self)
-    if np.issubdtype(self.dtype, np.integer):
+    if kind in "iu":
         return int(self)
-    if np.issubdtype(self.dtype, np.complexfloating):
+    if kind == "c":
         return complex(self)
     return float(self)

@@ -383,6 +383,8 @@ def _make_plan(func):
             plan = _mutating_plan(func, mapping)
         elif func.is_view:
             plan = _view_plan(func, mapping)
+        elif func is _LOCAL_SCALAR_DENSE:
+            plan = _item_plan(func, mapping)
         else:
             plan = _mapped_plan(func, mapping)
         rung = stats.MAPPED
@@ -904,6 +906,22 @@ def _view_plan(func, mapping):
         if key is not None:
             _learn_lazy(lazy, key, out, step, compute.direct.get(key))
         return out
+
+    return run
+
+
+def _item_plan(func, mapping):
+    """`.item()`: a float tensor's one value read from its array at once. It compiles nothing
+    (a copy to the host), so _mapped_plan's path (signature, unwrapping, entry) never reached
+    its fast one, and cost as much as the copy."""
+    plan = _mapped_plan(func, mapping)
+    item = mapping.call
+
+    def run(args, kwargs):
+        tensor = args[0]
+        if type(tensor) is BridgeTensor and not kwargs and tensor.dtype not in _HOST_DTYPES and not settings.tracing and tensor.numel() == 1:
+            return item(read_value(tensor))
+        return plan(args, kwargs)
 
     return run
 
