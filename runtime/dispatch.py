@@ -1048,14 +1048,22 @@ def _inplace_plan(func, functional):
     written = _written_arguments(func._schema)
     returns = len(func._schema.returns)
     same_overload = func._overloadname == functional._overloadname
-    fast = {} if same_overload and [position for position, _ in written] == [0] and returns == 1 else None
+    single = [position for position, _ in written] == [0] and returns == 1
+    # Several written arguments, or lists: the fused optimizer kernels (`_fused_adamw_`: the
+    # parameters, gradients and moments) and `_foreach_*_` ops (`_foreach_add_(steps, 1)`).
+    lists = bool(written) and returns == 0
+    fast = {} if same_overload and (single or lists) else None
+    positions = [position for position, _ in written]
 
     def run(args, kwargs):
         key = None
-        if fast is not None and settings.compile_ops and not settings.tracing and type(args[0]) is BridgeTensor:
+        if fast is not None and settings.compile_ops and not settings.tracing and len(args) > positions[-1]:
             key = _direct_key(args, kwargs)
             known = fast.get(key) if key is not None else None
             if known is not None and (not known[1].reads_precision or known[2] == precision.precision_settings()):
+                if not single:
+                    _write_results(args, positions, known[0](_direct_arrays(args)))
+                    return None
                 target = args[0]
                 if settings.defer_updates and not target._chain and target.dtype.is_floating_point:
                     deferred.record(known[0], target, _direct_tensors(args))
@@ -1070,21 +1078,52 @@ def _inplace_plan(func, functional):
         for (position, name), value in zip(written, results):
             _write_into(_argument(args, kwargs, position, name), value)
         if key is not None:
-            _remember_inplace(fast, key, functional, args, kwargs, result)
+            _remember_inplace(fast, key, functional, args, kwargs, result, positions)
         if returns == 0:
             return None
         return args[0]
 
+    run.fast = fast  # (tests)
     return run
 
 
-def _remember_inplace(fast, key, functional, args, kwargs, result):
-    """After a general in-place call: the functional op's program, if its result could be written
-    into `self` as it was (same dtype and shape)."""
+def _write_results(args, positions, out):
+    """A list in-place op's program results written into its written arguments, as they are."""
+    outs = [out] if len(positions) == 1 else out
+    for position, values in zip(positions, outs):
+        target = args[position]
+        if type(target) is BridgeTensor:
+            write_value(target, values)
+        else:
+            tensor_module.write_values(target, values)
+
+
+def _written_as_is(targets, results):
+    """Whether each result could be written into its target as it is (same dtype and shape)."""
+    for target, result in zip(targets, results):
+        if type(target) is BridgeTensor:
+            if type(result) is not BridgeTensor or result.dtype != target.dtype or result.shape != target.shape:
+                return False
+        elif type(target) not in (list, tuple) or type(result) not in (list, tuple) or len(target) != len(result):
+            return False
+        elif not _written_as_is(target, result):
+            return False
+    return True
+
+
+def _remember_inplace(fast, key, functional, args, kwargs, result, positions):
+    """After a general in-place call: the functional op's program, if its results could be written
+    into the written arguments as they were (same dtypes and shapes)."""
     plan = _plans.get(functional)
     direct = getattr(plan, "direct", None)
-    target = args[0]
-    if direct is None or type(result) is not BridgeTensor or result.dtype != target.dtype or result.shape != target.shape:
+    targets = [args[position] for position in positions]
+    results = [result] if len(positions) == 1 else result
+    if direct is None or type(results) not in (list, tuple) or len(results) != len(targets):
+        return
+    if not _written_as_is(targets, results):
+        return
+    target = next((item for item in _leaves(targets) if type(item) is BridgeTensor), None)
+    if target is None:
         return
     entry = plan.entry
     settings_read = precision.precision_settings() if entry.reads_precision else None
