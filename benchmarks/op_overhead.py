@@ -127,12 +127,14 @@ def jax_cases(jax, jnp):
     import numpy as np
     from jax import lax
 
+    # Their dtypes spelled out: they are made after the bridge is activated, which turns on JAX's
+    # 64-bit mode (its defaults would be float64 and int64 there).
     def arrays(*shapes):
         key = jax.random.PRNGKey(0)
-        return [jax.random.normal(jax.random.fold_in(key, i), shape) for i, shape in enumerate(shapes)]
+        return [jax.random.normal(jax.random.fold_in(key, i), shape, jnp.float32) for i, shape in enumerate(shapes)]
 
     def labels():
-        return arrays((64, 1000))[0], jax.random.randint(jax.random.PRNGKey(1), (64,), 0, 1000)
+        return arrays((64, 1000))[0], jax.random.randint(jax.random.PRNGKey(1), (64,), 0, 1000, jnp.int32)
 
     jit = jax.jit
     greater, where, argmax, equal, total = jit(lambda a: a > 0), jit(jnp.where), jit(lambda a: a.argmax(1)), jit(jnp.equal), jit(jnp.sum)
