@@ -1053,6 +1053,11 @@ def _inplace_plan(func, functional):
     # parameters, gradients and moments) and `_foreach_*_` ops (`_foreach_add_(steps, 1)`).
     lists = bool(written) and returns == 0
     fast = {} if same_overload and (single or lists) else None
+    # A list op's call whose Python floats differ from every earlier call's (a learning-rate
+    # schedule's `lr`, new each step) has a key of its own each time: by its key with the floats
+    # left out, the functional op's entry (which takes changing floats as arguments) runs and
+    # its arrays are written directly, as above.
+    floating = {} if fast is not None and lists else None
     positions = [position for position, _ in written]
 
     def run(args, kwargs):
@@ -1070,6 +1075,11 @@ def _inplace_plan(func, functional):
                 else:
                     write_value(target, known[0](_direct_arrays(args)))
                 return target
+            entry = floating.get(_floats_erased(key)) if floating is not None and key is not None else None
+            if entry is not None:
+                values, keywords, _ = _unwrap_all(args, kwargs, func)
+                _write_results(args, positions, entry(values, keywords))
+                return None
         _precheck(func, args, kwargs)
         if not same_overload:
             args, kwargs = _with_defaults(func._schema, args, kwargs)
@@ -1078,12 +1088,16 @@ def _inplace_plan(func, functional):
         for (position, name), value in zip(written, results):
             _write_into(_argument(args, kwargs, position, name), value)
         if key is not None:
-            _remember_inplace(fast, key, functional, args, kwargs, result, positions)
+            entry = _remember_inplace(fast, key, functional, args, kwargs, result, positions)
+            if entry is not None and floating is not None:
+                if len(floating) >= _DIRECT_LIMIT:
+                    floating.clear()
+                floating[_floats_erased(key)] = entry
         if returns == 0:
             return None
         return args[0]
 
-    run.fast = fast  # (tests)
+    run.fast, run.floating = fast, floating  # (tests)
     return run
 
 
@@ -1113,26 +1127,36 @@ def _written_as_is(targets, results):
 
 def _remember_inplace(fast, key, functional, args, kwargs, result, positions):
     """After a general in-place call: the functional op's program, if its results could be written
-    into the written arguments as they were (same dtypes and shapes)."""
+    into the written arguments as they were (same dtypes and shapes). Returns the functional op's
+    entry where they could (its results then need no correction either), else None."""
     plan = _plans.get(functional)
     direct = getattr(plan, "direct", None)
     targets = [args[position] for position in positions]
     results = [result] if len(positions) == 1 else result
     if direct is None or type(results) not in (list, tuple) or len(results) != len(targets):
-        return
+        return None
     if not _written_as_is(targets, results):
-        return
+        return None
     target = next((item for item in _leaves(targets) if type(item) is BridgeTensor), None)
     if target is None:
-        return
+        return None
     entry = plan.entry
     settings_read = precision.precision_settings() if entry.reads_precision else None
     known = direct.get(key + ((settings_read,) if settings_read is not None else ()))
     if known is None or known[1] != target._index:
-        return
+        return None  # (run uncompiled, or with a dtype correction: no direct program)
     if len(fast) >= _DIRECT_LIMIT:
         fast.clear()
     fast[key] = (known[0], entry, settings_read)
+    return entry
+
+
+def _floats_erased(key):
+    """A direct key with its Python floats' values left out (positional and keyword)."""
+    return tuple(
+        (float,) if item[0] is float else (item[0], (float,)) if type(item[1]) is tuple and item[1] and item[1][0] is float else item
+        for item in key
+    )
 
 
 def _changes_shape_in_place(func):
