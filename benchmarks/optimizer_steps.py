@@ -98,6 +98,9 @@ def _measure(options):
             try:
                 optimizer = getattr(torch.optim, name)(params, **kwargs, **FLAGS[implementation])
                 optimizer.step()
+                # --schedule: a cosine learning-rate schedule stepped after each step, as training
+                # scripts do (a new Python float `lr` each step).
+                schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, 1000) if options.schedule else None
             except RuntimeError as error:  # an implementation torch lacks on this device
                 print("RESULT " + json.dumps({**record, "error": str(error).splitlines()[0][:200]}), flush=True)
                 continue
@@ -113,6 +116,8 @@ def _measure(options):
                 returned = time.perf_counter()
                 if device == "cuda":
                     torch.cuda.synchronize()
+                if schedule is not None:
+                    schedule.step()
                 if step >= 2:
                     times.append((time.perf_counter() - start) * 1e3)
                     host.append((returned - start) * 1e3)
@@ -126,6 +131,8 @@ def _measure(options):
             start = time.perf_counter()
             for _ in range(options.steps):
                 optimizer.step()
+                if schedule is not None:
+                    schedule.step()
             if device == "cuda":
                 torch.cuda.synchronize()
             pipelined = (time.perf_counter() - start) * 1e3 / options.steps
@@ -179,6 +186,7 @@ def main(argv=None):
     parser.add_argument("--name", default="optimizer_steps")
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps of each case (printed with the logs)")
     parser.add_argument("--eager", action="store_true", help="also the bridge's eager mode (each torch op a call; a table of its own)")
+    parser.add_argument("--schedule", action="store_true", help="a cosine learning-rate schedule stepped after each step")
     parser.add_argument("--runtime", choices=["torch", "bridge", "bridge-eager"], help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.runtime:
@@ -193,6 +201,7 @@ def main(argv=None):
         command += ["--tiny"] if options.tiny else []
         command += ["--only", options.only] if options.only else []
         command += ["--profile"] if options.profile else []
+        command += ["--schedule"] if options.schedule else []
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         output = done.stdout + done.stderr
         logs[runtime] = output[-3000:]
@@ -249,7 +258,7 @@ def main(argv=None):
         if options.eager else ""
     )
     versions = machine.versions()
-    command = "python benchmarks/optimizer_steps.py" + (" --tiny" if options.tiny else "") + (f" --only {options.only}" if options.only else "") + (" --eager" if options.eager else "")
+    command = "python benchmarks/optimizer_steps.py" + (" --tiny" if options.tiny else "") + (f" --only {options.only}" if options.only else "") + (" --eager" if options.eager else "") + (" --schedule" if options.schedule else "")
     text = (
         f"# Optimizer steps: torch and the bridge on GPT-2 {'small (width 64)' if options.tiny else 'small'}'s parameters\n\n"
         f"Command: `{command}`; generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"
