@@ -539,6 +539,8 @@ def read_value(tensor: BridgeTensor) -> jax.Array:
         if generation == root._generation and root_of(base) is root and not settings.tracing:
             value = tensor._value = program([read_value(base)])
             tensor._seen = generation
+            if "_on_free" in root.__dict__:
+                when_freed(root, tensor)  # (as a view read through its chain below)
             return value
     host = tensor._host
     if host is not None and host[1] is root and host[2] == root._generation and not settings.tracing:
