@@ -630,6 +630,8 @@ def _direct_item(value):
             return None
         if all(type(item) is int for item in value):
             return (kind, tuple(value))  # sizes, dims
+        if all(type(item) is float for item in value):
+            return (kind, tuple([(float, item.hex()) for item in value]))  # foreach Adam's step sizes
     return None
 
 
@@ -1152,11 +1154,23 @@ def _remember_inplace(fast, key, functional, args, kwargs, result, positions):
 
 
 def _floats_erased(key):
-    """A direct key with its Python floats' values left out (positional and keyword)."""
-    return tuple(
-        (float,) if item[0] is float else (item[0], (float,)) if type(item[1]) is tuple and item[1] and item[1][0] is float else item
-        for item in key
-    )
+    """A direct key with its Python floats' values left out (positional and keyword, lists of
+    floats too)."""
+    return tuple(_float_erased(item) for item in key)
+
+
+def _float_erased(item):
+    first = item[0]
+    if first is float:
+        return (float,)
+    if first is list or first is tuple:  # (kind, items): a list of floats
+        items = item[1]
+        if items and type(items[0]) is tuple and items[0] and items[0][0] is float:
+            return (first, len(items), float)
+        return item
+    if type(first) is str and type(item[1]) is tuple:  # a keyword's (name, item)
+        return (first, _float_erased(item[1]))
+    return item
 
 
 def _changes_shape_in_place(func):
