@@ -885,11 +885,13 @@ def _view_plan(func, mapping):
     # torch's views run no kernel; an eager `x[:, 0]` or `view` ran a program call at once, as
     # much host time as the rest of the op's work together, whether or not it was read.
     lazy = {}  # direct key -> what _lazy_view takes after the base
+    # (one result only: the key of a split, whose views are made at once, would be built twice a call)
+    single = [str(item.type) for item in func._schema.returns] == ["Tensor"]
 
     def run(args, kwargs):
         base = args[0]
         key = None
-        if type(base) is BridgeTensor and base.dtype not in _HOST_DTYPES and settings.compile_ops and not settings.tracing:
+        if single and type(base) is BridgeTensor and base.dtype not in _HOST_DTYPES and settings.compile_ops and not settings.tracing:
             key = _direct_key(args, kwargs)
             known = lazy.get(key) if key is not None else None
             if known is not None:

@@ -532,16 +532,6 @@ def read_value(tensor: BridgeTensor) -> jax.Array:
         root._pending.resolve(root)  # (deferred work writes the root: the view's value may change)
     if tensor._seen == root._generation:
         return tensor._value
-    made = tensor._made
-    if made is not None:
-        tensor._made = None
-        program, base, generation = made
-        if generation == root._generation and root_of(base) is root and not settings.tracing:
-            value = tensor._value = program([read_value(base)])
-            tensor._seen = generation
-            if "_on_free" in root.__dict__:
-                when_freed(root, tensor)  # (as a view read through its chain below)
-            return value
     host = tensor._host
     if host is not None and host[1] is root and host[2] == root._generation and not settings.tracing:
         value = tensor._value = devices.put(_c_order(host[0]), tensor._index)  # a view made on the host
@@ -559,12 +549,27 @@ def read_value(tensor: BridgeTensor) -> jax.Array:
         # A member of a flat root (runtime/flat.py): every member is cut from it in one program,
         # and kept there only (kept here too, it would outlive the root's next value).
         return members.piece(root, value, position)
-    for apply_view in tensor._chain:
-        value = apply_view(value)
+    value = _view_value(tensor, root, value)
     tensor._value = value
     tensor._seen = root._generation
     if "_on_free" in root.__dict__ and not settings.tracing:
         when_freed(root, tensor)
+    return value
+
+
+def _view_value(tensor: BridgeTensor, root: BridgeTensor, value: jax.Array) -> jax.Array:
+    """A view's value from its root's `value`: its chain's steps applied to it, or, for a view
+    made without running its op (BridgeTensor._made) whose root is unchanged since, that op's
+    program run on its base."""
+    made = tensor._made
+    if made is not None:
+        tensor._made = None
+        program, base, generation = made
+        if generation == root._generation and root_of(base) is root and not settings.tracing:
+            return program([read_value(base)])
+    chain: tuple[Any, ...] = tensor._chain
+    for apply_view in chain:
+        value = apply_view(value)
     return value
 
 
