@@ -43,6 +43,7 @@ from .tensor import BridgeTensor, read_value, read_values, root_of, settle, writ
 
 
 _split, _join = flat.split, flat.join
+join_gradients = _join  # how a flat update joins its gradients (benchmarks/gradient_join.py tries others)
 flat_state, flat_members = flat.flat_state, flat.flat_members
 
 
@@ -262,7 +263,7 @@ def adam_update(
         # pass over it and the moments, each updated in its donated buffer.
         whole = jnp.stack([scalars[0], scalars[1], scalars[1 + len(flat_shapes)]])
         return _adam_update(
-            params, [_join(grads)], avgs, sqs, maxes, whole, clip_grads, coefficient, beta1=beta1, beta2=beta2,
+            params, [join_gradients(grads)], avgs, sqs, maxes, whole, clip_grads, coefficient, beta1=beta1, beta2=beta2,
             eps=eps, weight_decay=weight_decay, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize,
             max_norm=max_norm, norm_type=norm_type,
         )
