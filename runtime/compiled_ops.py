@@ -122,7 +122,7 @@ def _lift(spec, floats, first=None):
         if first == spec:
             return spec
         if floats is not None:
-            floats.append(_scalar_array(spec[2]))
+            floats.append(scalar_array(spec[2]))
         return _LIFTED
     if type(spec) is tuple and spec and spec[0] is _SEQUENCE:
         items = spec[2]
@@ -137,13 +137,35 @@ _SCALAR_ARRAYS = {}
 _SCALARS_KEPT = 4096
 
 
-def _scalar_array(exact):
+def scalar_array(exact):
     array = _SCALAR_ARRAYS.get(exact)
     if array is None:
         if len(_SCALAR_ARRAYS) >= _SCALARS_KEPT:
             _SCALAR_ARRAYS.clear()
         array = _SCALAR_ARRAYS[exact] = jax.numpy.asarray(float.fromhex(exact))  # weakly typed
     return array
+
+
+def _baked(spec, first, out):
+    """Per Python float of `spec`, in _lift's order: None where _lift lifts it, else its value."""
+    if type(spec) is tuple and spec and spec[0] is _SCALAR and spec[1] is float:
+        out.append(spec[2] if first == spec else None)
+    elif type(spec) is tuple and spec and spec[0] is _SEQUENCE:
+        items = spec[2]
+        firsts = first[2] if type(first) is tuple and first and first[0] is _SEQUENCE and len(first[2]) == len(items) else ()
+        for item, f in itertools.zip_longest(items, firsts):
+            _baked(item, f, out)
+
+
+def _baked_floats(key, first):
+    """_baked over an entry key's positional and keyword specs, against the signature's first key."""
+    out = []
+    first_positional, first_keyword = first[:2] if first is not None else ((), ())
+    for spec, f in itertools.zip_longest(key[0], first_positional):
+        _baked(spec, f, out)
+    for (_, spec), f in itertools.zip_longest(key[1], first_keyword):
+        _baked(spec, f[1] if f else None, out)
+    return tuple(out)
 
 
 def _lifted_key(key, floats, first=None):
@@ -159,12 +181,15 @@ def _lifted_key(key, floats, first=None):
 
 class WithFloats:
     """A lifted program with the floats of one call: called as a static variant is, with the
-    call's arrays (runtime/deferred.py takes the program and its floats apart)."""
+    call's arrays (runtime/deferred.py takes the program and its floats apart). `baked`: per
+    Python float of the call, in the order of its arguments, None where the program takes it as
+    an argument, else its value (float.hex()) compiled in (runtime/dispatch.py calls the program
+    again with another call's floats where those match)."""
 
-    __slots__ = ("program", "floats")
+    __slots__ = ("program", "floats", "baked")
 
-    def __init__(self, program, floats):
-        self.program, self.floats = program, floats
+    def __init__(self, program, floats, baked=None):
+        self.program, self.floats, self.baked = program, floats, baked
 
     def __call__(self, arrays):
         return self.program(arrays, self.floats)
@@ -356,7 +381,7 @@ class CompiledEntry:
             self.float_free = {}
             return out
         self.lifted[lifted_key] = program
-        self.last = WithFloats(program, floats)
+        self.last = WithFloats(program, floats, _baked_floats(key, self.float_free.get(_erase_floats(key))))
         if len(self.shapes) < _SHAPES_KEPT:
             self.shapes.add(_shaped(lifted_key, arrays))
         return out

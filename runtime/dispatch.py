@@ -16,7 +16,7 @@ import torch
 import torch._decomp
 
 from . import devices, distributed, precision, random, stats
-from .compiled_ops import CompiledEntry
+from .compiled_ops import CompiledEntry, WithFloats, scalar_array
 from .callsite import user_call_site, warn_at_user_site
 from .config import settings
 from .dtypes import TORCH_TO_JAX
@@ -684,6 +684,9 @@ def _mapped_plan(func, mapping):
     mutating = bool(mapping.mutates)
     # Random ops draw a new key each call; mutating ones write their arguments afterwards.
     direct = None if rng or mutating else {}
+    # A call whose Python floats changed since (a schedule's learning rate): by its key without
+    # the floats' values, the entry's program that takes them as arguments (_with_call_floats).
+    lifted = None if direct is None else {}
 
     def run(args, kwargs):
         if direct is not None and settings.host_int_ops and not settings.tracing:
@@ -700,6 +703,8 @@ def _mapped_plan(func, mapping):
             if direct_key is not None and call.reads_precision:
                 direct_key += (precision.precision_settings(),)  # torch.set_float32_matmul_precision
             known = direct.get(direct_key) if direct_key is not None else None
+            if known is None and lifted and direct_key is not None:
+                known = _with_call_floats(lifted, direct_key)
             if known is not None:
                 program, index = known
                 out = program(_direct_arrays(args))
@@ -740,10 +745,10 @@ def _mapped_plan(func, mapping):
         if mutating:
             return _wrap(out, index), updates
         if direct_key is not None and (not settings.check_signatures or _checked.get(key) is None):
-            _remember_direct(direct, direct_key, args, call.last, index)
+            _remember_direct(direct, direct_key, args, call.last, index, lifted)
         return _wrap(out, index)
 
-    run.direct, run.entry = direct, call  # for the in-place forms derived from this op
+    run.direct, run.entry, run.lifted = direct, call, lifted  # for the in-place forms derived from this op
     return run
 
 
@@ -867,12 +872,58 @@ def _from_host(result, index):
     return result
 
 
-def _remember_direct(direct, direct_key, args, program, index):
+def _remember_direct(direct, direct_key, args, program, index, lifted=None):
     if program is None or not _direct_arrays(args):
         return
     if len(direct) >= _DIRECT_LIMIT:
         direct.clear()
     direct[direct_key] = (program, index)
+    _remember_lifted(lifted, direct_key, program, index)
+
+
+def _remember_lifted(lifted, direct_key, program, index):
+    """Where `program` (an entry's last) is a lifted program with one call's floats: it, by the
+    call's key without the floats' values (see _with_call_floats)."""
+    if lifted is not None and type(program) is WithFloats and program.baked is not None:
+        if len(lifted) >= _DIRECT_LIMIT:
+            lifted.clear()
+        lifted[_floats_erased(direct_key)] = (program.program, program.baked, index)
+
+
+def _with_call_floats(lifted, key):
+    """(the lifted program with this call's floats, the result's device) for a direct key whose
+    floats differ from earlier calls' (see _mapped_plan), or None: no lifted program for its key
+    without the floats, or a float the program has compiled in differs."""
+    known = lifted.get(_floats_erased(key))
+    if known is None:
+        return None
+    program, baked, index = known
+    exacts = _key_floats(key, [])
+    if len(exacts) != len(baked):
+        return None
+    floats = []
+    for exact, compiled_in in zip(exacts, baked):
+        if compiled_in is None:
+            floats.append(scalar_array(exact))
+        elif compiled_in != exact:
+            return None
+    return WithFloats(program, floats), index
+
+
+def _key_floats(key, out):
+    """The values (float.hex()) of a direct key's Python floats, in the order of its arguments
+    (as _floats_erased walks it)."""
+    for item in key:
+        first = item[0]
+        if first is float:
+            out.append(item[1])
+        elif first is list or first is tuple:
+            items = item[1]
+            if items and type(items[0]) is tuple and items[0] and items[0][0] is float:
+                out.extend(exact for _, exact in items)
+        elif type(first) is str and type(item[1]) is tuple:
+            _key_floats((item[1],), out)
+    return out
 
 
 def _view_plan(func, mapping):
@@ -1057,32 +1108,41 @@ def _inplace_plan(func, functional):
     # parameters, gradients and moments) and `_foreach_*_` ops (`_foreach_add_(steps, 1)`).
     lists = bool(written) and returns == 0
     fast = {} if same_overload and (single or lists) else None
-    # A list op's call whose Python floats differ from every earlier call's (a learning-rate
-    # schedule's `lr`, new each step) has a key of its own each time: by its key with the floats
-    # left out, the functional op's entry (which takes changing floats as arguments) runs and
-    # its arrays are written directly, as above.
-    floating = {} if fast is not None and lists else None
+    # A call whose Python floats differ from every earlier call's (a learning-rate schedule's
+    # `lr`, new each step) has a key of its own each time: by its key with the floats left out,
+    # the functional op's program that takes them as arguments runs (_with_call_floats; else, for
+    # lists, its entry) and its arrays are written directly, as above.
+    floating = {} if fast is not None else None
     positions = [position for position, _ in written]
+    functional_lifted = []  # the functional op's lifted programs (_mapped_plan's), once known
 
     def run(args, kwargs):
         key = None
         if fast is not None and settings.compile_ops and not settings.tracing and len(args) > positions[-1]:
             key = _direct_key(args, kwargs)
             known = fast.get(key) if key is not None else None
+            program = None
             if known is not None and (not known[1].reads_precision or known[2] == precision.precision_settings()):
+                program = known[0]
+            entry = floating.get(_floats_erased(key)) if program is None and key is not None else None
+            if entry is not None and not entry.reads_precision and functional_lifted and functional_lifted[0]:
+                found = _with_call_floats(functional_lifted[0], key)
+                program = None if found is None else found[0]
+            if program is not None:
                 if not single:
-                    _write_results(args, positions, known[0](_direct_arrays(args)))
+                    _write_results(args, positions, program(_direct_arrays(args)))
                     return None
                 target = args[0]
                 if settings.defer_updates and not target._chain and target.dtype.is_floating_point:
-                    deferred.record(known[0], target, _direct_tensors(args))
+                    deferred.record(program, target, _direct_tensors(args))
                 else:
-                    write_value(target, known[0](_direct_arrays(args)))
+                    write_value(target, program(_direct_arrays(args)))
                 return target
-            entry = floating.get(_floats_erased(key)) if floating is not None and key is not None else None
-            if entry is not None:
-                values, keywords, _ = _unwrap_all(args, kwargs, func)
+            if entry is not None and not single:
+                values, keywords, index = _unwrap_all(args, kwargs, func)
                 _write_results(args, positions, entry(values, keywords))
+                if functional_lifted:
+                    _remember_lifted(functional_lifted[0], key, entry.last, index)
                 return None
         _precheck(func, args, kwargs)
         if not same_overload:
@@ -1097,6 +1157,8 @@ def _inplace_plan(func, functional):
                 if len(floating) >= _DIRECT_LIMIT:
                     floating.clear()
                 floating[_floats_erased(key)] = entry
+                if not functional_lifted:
+                    functional_lifted.append(getattr(_plans[functional], "lifted", None))
         if returns == 0:
             return None
         return args[0]

@@ -135,3 +135,37 @@ def test_an_op_that_needs_the_float_as_a_number_runs_that_signature_uncompiled_a
     assert "Python number" in stats.uncompiled_reasons[op]
     assert dispatch._plans[op].entry.enabled  # other signatures still compile
     assert any(entry["op"] == str(op) for entry in stats.summary()["uncompiled"])
+
+
+def test_later_floats_run_the_lifted_program_without_the_entry(fresh_plans, monkeypatch):
+    # After a signature's second float, a call with yet another float is found by its key
+    # without the floats' values and runs the lifted program with its floats straight from the
+    # dispatcher (runtime/dispatch.py `_with_call_floats`): no entry key, no unwrapping. That
+    # holds for a functional op, an in-place one (deferred, as `p.data.add_` is) and a list one.
+    from bridge.runtime.compiled_ops import CompiledEntry
+
+    entered = []
+    original = CompiledEntry.__call__
+
+    def counted(self, values, keywords):
+        entered.append(self.op)
+        return original(self, values, keywords)
+
+    monkeypatch.setattr(CompiledEntry, "__call__", counted)
+    params = [torch.randn(3, 4, generator=torch.Generator().manual_seed(k)) for k in range(3)]
+    grads = [torch.randn(3, 4, generator=torch.Generator().manual_seed(10 + k)) for k in range(3)]
+    moved, moved_grads = [p.cuda() for p in params], [g.cuda() for g in grads]
+    x = X.cuda()
+    for step, lr in enumerate([0.5, 0.25, 0.125, 0.1, 0.05, -0.0, 3.0]):
+        if step == 3:
+            entered.clear()
+        torch.testing.assert_close((x * lr).cpu(), X * lr, rtol=0, atol=0)
+        for p, g, moved_p, moved_g in zip(params, grads, moved, moved_grads):
+            p.add_(g, alpha=-lr)
+            moved_p.data.add_(moved_g, alpha=-lr)
+        torch._foreach_add_(params, lr)
+        torch._foreach_add_(moved, lr)
+        for p, moved_p in zip(params, moved):
+            # (torch's CPU kernel may fuse alpha's multiply and the add: a float32 rounding apart)
+            torch.testing.assert_close(moved_p.cpu(), p)
+    assert entered == [], entered
