@@ -1115,6 +1115,7 @@ def _inplace_plan(func, functional):
     floating = {} if fast is not None else None
     positions = [position for position, _ in written]
     functional_lifted = []  # the functional op's lifted programs (_mapped_plan's), once known
+    unchanged = {}  # a list op's program -> which of its results are its inputs as they were
 
     def run(args, kwargs):
         key = None
@@ -1130,7 +1131,7 @@ def _inplace_plan(func, functional):
                 program = None if found is None else found[0]
             if program is not None:
                 if not single:
-                    _write_results(args, positions, program(_direct_arrays(args)))
+                    _run_list_program(program, args, positions, unchanged)
                     return None
                 target = args[0]
                 if settings.defer_updates and not target._chain and target.dtype.is_floating_point:
@@ -1163,8 +1164,70 @@ def _inplace_plan(func, functional):
             return None
         return args[0]
 
-    run.fast, run.floating = fast, floating  # (tests)
+    run.fast, run.floating, run.unchanged = fast, floating, unchanged  # (tests)
     return run
+
+
+def _run_list_program(program, args, positions, unchanged):
+    """A list in-place op's functional program run on its arguments' arrays, its results written
+    into the written arguments. Results that are an input returned as it was, into the argument
+    it came from (`_fused_adamw_`'s gradients: 148 for GPT-2), are neither returned by the program
+    (each would be a copy, a launch and an output buffer) nor written: the program is compiled
+    again without them, once a trace has shown them."""
+    base, floats = (program.program, (program.floats,)) if type(program) is WithFloats else (program, ())
+    arrays = _direct_arrays(args)
+    known = unchanged.get(base)
+    if known is None:
+        if len(unchanged) >= _DIRECT_LIMIT:
+            unchanged.clear()
+        known = unchanged[base] = _without_unchanged(base, arrays, floats, args, positions)
+    if known is False:
+        _write_results(args, positions, base(arrays, *floats))
+        return
+    pruned, kept = known
+    results = iter(pruned(arrays, *floats))
+    for position, keep in zip(positions, kept):
+        target = args[position]
+        if type(target) is BridgeTensor:
+            if keep[0]:
+                write_value(target, next(results))
+            continue
+        chosen = [tensor for tensor, written in zip(target, keep) if written]
+        tensor_module.write_values(chosen, [next(results) for _ in chosen])
+
+
+def _without_unchanged(base, arrays, floats, args, positions):
+    """(a program returning only the results of `base` that are not its inputs returned as they
+    were into the argument they came from, per written argument which of its results it returns),
+    or False where every result is new."""
+    raw = base.__wrapped__  # (the entry's function that jax.jit compiled)
+    offsets, start = {}, 0
+    for position, value in enumerate(args):
+        offsets[position] = start
+        start += len(_direct_tensors([value]))  # (as _direct_arrays orders them)
+
+    def split(arrays_in, out):
+        outs = [out] if len(positions) == 1 else out
+        kept, results = [], []
+        for position, values in zip(positions, outs):
+            items = values if type(values) in (list, tuple) else [values]
+            keep = [value is not arrays_in[offsets[position] + k] for k, value in enumerate(items)]
+            kept.append(keep)
+            results.extend(value for value, written in zip(items, keep) if written)
+        return kept, results
+
+    shown = []
+
+    def traced(arrays_in, *floats_in):
+        kept, results = split(arrays_in, raw(arrays_in, *floats_in))
+        shown.append(kept)
+        return results
+
+    jax.make_jaxpr(traced)(arrays, *floats)
+    kept = shown[0]
+    if all(all(keep) for keep in kept):
+        return False
+    return jax.jit(lambda arrays_in, *floats_in: split(arrays_in, raw(arrays_in, *floats_in))[1]), kept
 
 
 def _write_results(args, positions, out):

@@ -253,7 +253,9 @@ def test_list_kernels_repeated_in_eager_mode_write_their_results_directly(bridge
     without wrapping each result first (a tiny GPT-2's fused AdamW step on the CPU: 17.8 ms ->
     10.6); with a learning rate that changes every step, or foreach Adam's step sizes (a list of
     floats, new every step), the same by the call's key without its floats (24.6 -> 12.3 ms;
-    foreach 36 -> 19). The parameters and the state stay torch's."""
+    foreach 36 -> 19). Results that are inputs returned as they came (the fused kernels'
+    gradients) are left out of the program and not written. The parameters, gradients and the
+    state stay torch's."""
     from bridge.runtime import dispatch
 
     def train(device):
@@ -291,6 +293,13 @@ def test_list_kernels_repeated_in_eager_mode_write_their_results_directly(bridge
     if not schedule:
         kernel = torch.ops.aten._fused_adamw_.default if "fused" in flags else torch.ops.aten._foreach_add_.Scalar
         assert dispatch._plans[kernel].fast, kernel
+    if "fused" in flags:
+        # The kernel returns the gradients as they came: its program was compiled again without
+        # them (no copies), and they were not written; they are still the backward's values.
+        pruned = [kept for kept in dispatch._plans[torch.ops.aten._fused_adamw_.default].unchanged.values() if kept]
+        assert pruned and all(not any(kept[1][1]) and all(kept[1][0]) for kept in pruned), pruned
+        for p_ref, p in zip(reference.parameters(), net.parameters()):
+            torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=2e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mode", ["eager", "captured"])
