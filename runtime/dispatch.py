@@ -1201,17 +1201,18 @@ def _without_unchanged(base, arrays, floats, args, positions):
     were into the argument they came from, per written argument which of its results it returns),
     or False where every result is new."""
     raw = base.__wrapped__  # (the entry's function that jax.jit compiled)
-    offsets, start = {}, 0
+    offsets, counts, start = {}, {}, 0
     for position, value in enumerate(args):
         offsets[position] = start
-        start += len(_direct_tensors([value]))  # (as _direct_arrays orders them)
+        counts[position] = len(_direct_tensors([value]))  # (as _direct_arrays orders them)
+        start += counts[position]
 
     def split(arrays_in, out):
         outs = [out] if len(positions) == 1 else out
         kept, results = [], []
         for position, values in zip(positions, outs):
             items = values if type(values) in (list, tuple) else [values]
-            keep = [value is not arrays_in[offsets[position] + k] for k, value in enumerate(items)]
+            keep = [k >= counts[position] or value is not arrays_in[offsets[position] + k] for k, value in enumerate(items)]
             kept.append(keep)
             results.extend(value for value, written in zip(items, keep) if written)
         return kept, results
