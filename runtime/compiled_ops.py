@@ -111,14 +111,17 @@ def _call_lifted(call, positional_spec, keyword_spec, arrays, floats):
         dtypes.lifted_floats.clear()
 
 
-def _lift(spec, floats, first=None):
+def _lift(spec, floats, first=None, baked=None):
     """`spec` with each Python float (not a subclass: numpy's float64 is typed where Python's is
     weak) replaced by _LIFTED, the float appended to `floats` as a 0-dim weakly typed float64
     array (the bridge runs JAX with x64 on), which a program computes with as it would with the
     constant: the same promotion, the same sign of zero. A float equal to its place in `first`
     (the signature's first call) stays compiled in: an entry may need it as a Python number (a
-    fused optimizer kernel's betas) where only the learning rate changes from call to call."""
+    fused optimizer kernel's betas) where only the learning rate changes from call to call.
+    `baked`, unless None, gets per float None where it is lifted, else its value (WithFloats)."""
     if type(spec) is tuple and spec and spec[0] is _SCALAR and spec[1] is float:
+        if baked is not None:
+            baked.append(spec[2] if first == spec else None)
         if first == spec:
             return spec
         if floats is not None:
@@ -127,7 +130,7 @@ def _lift(spec, floats, first=None):
     if type(spec) is tuple and spec and spec[0] is _SEQUENCE:
         items = spec[2]
         firsts = first[2] if type(first) is tuple and first and first[0] is _SEQUENCE and len(first[2]) == len(items) else ()
-        return (_SEQUENCE, spec[1], tuple(_lift(item, floats, f) for item, f in itertools.zip_longest(items, firsts)))
+        return (_SEQUENCE, spec[1], tuple(_lift(item, floats, f, baked) for item, f in itertools.zip_longest(items, firsts)))
     return spec
 
 
@@ -146,36 +149,17 @@ def scalar_array(exact):
     return array
 
 
-def _baked(spec, first, out):
-    """Per Python float of `spec`, in _lift's order: None where _lift lifts it, else its value."""
-    if type(spec) is tuple and spec and spec[0] is _SCALAR and spec[1] is float:
-        out.append(spec[2] if first == spec else None)
-    elif type(spec) is tuple and spec and spec[0] is _SEQUENCE:
-        items = spec[2]
-        firsts = first[2] if type(first) is tuple and first and first[0] is _SEQUENCE and len(first[2]) == len(items) else ()
-        for item, f in itertools.zip_longest(items, firsts):
-            _baked(item, f, out)
-
-
-def _baked_floats(key, first):
-    """_baked over an entry key's positional and keyword specs, against the signature's first key."""
-    out = []
-    first_positional, first_keyword = first[:2] if first is not None else ((), ())
-    for spec, f in itertools.zip_longest(key[0], first_positional):
-        _baked(spec, f, out)
-    for (_, spec), f in itertools.zip_longest(key[1], first_keyword):
-        _baked(spec, f[1] if f else None, out)
-    return tuple(out)
-
-
-def _lifted_key(key, floats, first=None):
+def _lifted_key(key, floats, first=None, baked=None):
     """An entry key with its Python floats lifted out (their arrays appended to `floats`, unless
-    it is None), but those equal to their places in the key `first` (see _lift)."""
+    it is None), but those equal to their places in the key `first` (see _lift, and its `baked`)."""
     positional_spec, keyword_spec = key[:2]
     first_positional, first_keyword = first[:2] if first is not None else ((), ())
     return (
-        tuple(_lift(spec, floats, f) for spec, f in itertools.zip_longest(positional_spec, first_positional)),
-        tuple((name, _lift(spec, floats, f[1] if f else None)) for (name, spec), f in itertools.zip_longest(keyword_spec, first_keyword)),
+        tuple(_lift(spec, floats, f, baked) for spec, f in itertools.zip_longest(positional_spec, first_positional)),
+        tuple(
+            (name, _lift(spec, floats, f[1] if f else None, baked))
+            for (name, spec), f in itertools.zip_longest(keyword_spec, first_keyword)
+        ),
     ) + key[2:]
 
 
@@ -354,7 +338,8 @@ class CompiledEntry:
         """A call whose floats differ from an earlier call's with the same signature: the
         signature's program taking the floats as arguments, compiled on the first such call."""
         floats = []
-        lifted_key = self._lifted_key(key, floats)
+        baked = []
+        lifted_key = self._lifted_key(key, floats, baked)
         program = self.lifted.get(lifted_key, _ARRAY)
         if program is None:
             return self._uncompiled(values, keywords, "it needs a changing float as a Python number")
@@ -381,14 +366,14 @@ class CompiledEntry:
             self.float_free = {}
             return out
         self.lifted[lifted_key] = program
-        self.last = WithFloats(program, floats, _baked_floats(key, self.float_free.get(_erase_floats(key))))
+        self.last = WithFloats(program, floats, tuple(baked))
         if len(self.shapes) < _SHAPES_KEPT:
             self.shapes.add(_shaped(lifted_key, arrays))
         return out
 
-    def _lifted_key(self, key, floats):
+    def _lifted_key(self, key, floats, baked=None):
         """The key's floats lifted out, but those its signature's first call had too."""
-        return _lifted_key(key, floats, self.float_free.get(_erase_floats(key)))
+        return _lifted_key(key, floats, self.float_free.get(_erase_floats(key)), baked)
 
     def _uncompiled(self, values, keywords, reason=None):
         """The entry's jnp calls one by one (a JAX dispatch each), counted for the run report."""

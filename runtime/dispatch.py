@@ -704,7 +704,8 @@ def _mapped_plan(func, mapping):
                 direct_key += (precision.precision_settings(),)  # torch.set_float32_matmul_precision
             known = direct.get(direct_key) if direct_key is not None else None
             if known is None and lifted and direct_key is not None:
-                known = _with_call_floats(lifted, direct_key)
+                exacts = []
+                known = _with_call_floats(lifted, _floats_erased(direct_key, exacts), exacts)
             if known is not None:
                 program, index = known
                 out = program(_direct_arrays(args))
@@ -890,15 +891,15 @@ def _remember_lifted(lifted, direct_key, program, index):
         lifted[_floats_erased(direct_key)] = (program.program, program.baked, index)
 
 
-def _with_call_floats(lifted, key):
+def _with_call_floats(lifted, erased, exacts):
     """(the lifted program with this call's floats, the result's device) for a direct key whose
-    floats differ from earlier calls' (see _mapped_plan), or None: no lifted program for its key
-    without the floats, or a float the program has compiled in differs."""
-    known = lifted.get(_floats_erased(key))
+    floats differ from earlier calls' (see _mapped_plan), given as _floats_erased gives it: the
+    key without the floats' values, and their values; or None: no lifted program for that key,
+    or a float the program has compiled in differs."""
+    known = lifted.get(erased)
     if known is None:
         return None
     program, baked, index = known
-    exacts = _key_floats(key, [])
     if len(exacts) != len(baked):
         return None
     floats = []
@@ -908,22 +909,6 @@ def _with_call_floats(lifted, key):
         elif compiled_in != exact:
             return None
     return WithFloats(program, floats), index
-
-
-def _key_floats(key, out):
-    """The values (float.hex()) of a direct key's Python floats, in the order of its arguments
-    (as _floats_erased walks it)."""
-    for item in key:
-        first = item[0]
-        if first is float:
-            out.append(item[1])
-        elif first is list or first is tuple:
-            items = item[1]
-            if items and type(items[0]) is tuple and items[0] and items[0][0] is float:
-                out.extend(exact for _, exact in items)
-        elif type(first) is str and type(item[1]) is tuple:
-            _key_floats((item[1],), out)
-    return out
 
 
 def _view_plan(func, mapping):
@@ -1114,7 +1099,6 @@ def _inplace_plan(func, functional):
     # lists, its entry) and its arrays are written directly, as above.
     floating = {} if fast is not None else None
     positions = [position for position, _ in written]
-    functional_lifted = []  # the functional op's lifted programs (_mapped_plan's), once known
     unchanged = {}  # a list op's program -> which of its results are its inputs as they were
 
     def run(args, kwargs):
@@ -1125,9 +1109,12 @@ def _inplace_plan(func, functional):
             program = None
             if known is not None and (not known[1].reads_precision or known[2] == precision.precision_settings()):
                 program = known[0]
-            entry = floating.get(_floats_erased(key)) if program is None and key is not None else None
-            if entry is not None and not entry.reads_precision and functional_lifted and functional_lifted[0]:
-                found = _with_call_floats(functional_lifted[0], key)
+            exacts = []
+            erased = _floats_erased(key, exacts) if program is None and key is not None else None
+            entry = floating.get(erased) if erased is not None else None
+            lifted = getattr(_plans.get(functional), "lifted", None) if entry is not None else None
+            if lifted and not entry.reads_precision:
+                found = _with_call_floats(lifted, erased, exacts)
                 program = None if found is None else found[0]
             if program is not None:
                 if not single:
@@ -1142,8 +1129,7 @@ def _inplace_plan(func, functional):
             if entry is not None and not single:
                 values, keywords, index = _unwrap_all(args, kwargs, func)
                 _write_results(args, positions, entry(values, keywords))
-                if functional_lifted:
-                    _remember_lifted(functional_lifted[0], key, entry.last, index)
+                _remember_lifted(lifted, key, entry.last, index)
                 return None
         _precheck(func, args, kwargs)
         if not same_overload:
@@ -1158,8 +1144,6 @@ def _inplace_plan(func, functional):
                 if len(floating) >= _DIRECT_LIMIT:
                     floating.clear()
                 floating[_floats_erased(key)] = entry
-                if not functional_lifted:
-                    functional_lifted.append(getattr(_plans[functional], "lifted", None))
         if returns == 0:
             return None
         return args[0]
@@ -1281,23 +1265,27 @@ def _remember_inplace(fast, key, functional, args, kwargs, result, positions):
     return entry
 
 
-def _floats_erased(key):
+def _floats_erased(key, exacts=None):
     """A direct key with its Python floats' values left out (positional and keyword, lists of
-    floats too)."""
-    return tuple(_float_erased(item) for item in key)
+    floats too); their values (float.hex()) appended to `exacts` in order, unless it is None."""
+    return tuple(_float_erased(item, exacts) for item in key)
 
 
-def _float_erased(item):
+def _float_erased(item, exacts):
     first = item[0]
     if first is float:
+        if exacts is not None:
+            exacts.append(item[1])
         return (float,)
     if first is list or first is tuple:  # (kind, items): a list of floats
         items = item[1]
         if items and type(items[0]) is tuple and items[0] and items[0][0] is float:
+            if exacts is not None:
+                exacts.extend(exact for _, exact in items)
             return (first, len(items), float)
         return item
     if type(first) is str and type(item[1]) is tuple:  # a keyword's (name, item)
-        return (first, _float_erased(item[1]))
+        return (first, _float_erased(item[1], exacts))
     return item
 
 
