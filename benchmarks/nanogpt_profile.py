@@ -1,6 +1,6 @@
 """Where nanoGPT bench.py's step time goes, under the bridge or under torch.compile (GPU).
 
-    python benchmarks/nanogpt_profile.py bridge|compile --nanogpt PATH [--gaps] [--no-profile]
+    python benchmarks/nanogpt_profile.py bridge|compile --nanogpt PATH [--gaps] [--no-profile] [--cprofile]
 
 The step is bench.py's (nanoGPT's own model.py from the checkout at PATH, unmodified: GPT-2
 small 12x768, batch 12x1024, bf16 autocast, `configure_optimizers` with its fused AdamW, then
@@ -8,7 +8,8 @@ forward, `zero_grad(set_to_none=True)`, backward, step and `loss.item()`), on ra
 Prints the median step time and the host's time per phase; then profiles 5 steps (a JAX
 profile for the bridge, torch.profiler for torch.compile) and writes
 $OUT (or /tmp)/nanogpt_<case>.txt with profile_step.py's report: kernels by family and by
-name, and with --gaps where the GPU waits and what the host is doing meanwhile.
+name, and with --gaps where the GPU waits and what the host is doing meanwhile. --cprofile first
+prints cProfile's view of 10 steps (the host's Python, by time spent in each function).
 """
 
 import argparse
@@ -28,6 +29,7 @@ def main(argv=None):
     parser.add_argument("--nanogpt", required=True, help="a nanoGPT checkout")
     parser.add_argument("--gaps", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
+    parser.add_argument("--cprofile", action="store_true")
     options = parser.parse_args(argv)
     sys.path.insert(0, options.nanogpt)
     if options.case == "bridge":
@@ -70,6 +72,16 @@ def main(argv=None):
         times.append((time.perf_counter() - start) * 1e3)
     print(f"{options.case}: median {statistics.median(times):.2f} ms a step (min {min(times):.2f})", flush=True)
     print("host ms per phase:", profile_step._phases(step, 2, 10), flush=True)
+    if options.cprofile:
+        import cProfile
+        import pstats
+
+        profile = cProfile.Profile()
+        profile.enable()
+        for _ in range(10):
+            step()
+        profile.disable()
+        pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(40)
     if options.no_profile:
         return
     if options.case == "bridge":

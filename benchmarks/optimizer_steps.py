@@ -125,7 +125,7 @@ def _measure(options):
             if profile is not None:
                 profile.disable()
                 print(f"PROFILE {options.runtime} {name} {implementation}", flush=True)
-                pstats.Stats(profile, stream=sys.stdout).sort_stats("tottime").print_stats(25)
+                pstats.Stats(profile, stream=sys.stdout).sort_stats(os.environ.get("PROFILE_SORT", "tottime")).print_stats(int(os.environ.get("PROFILE_ROWS", "25")))
             # Steps back to back, one synchronization at the end: the rate a training loop sees
             # when the host runs ahead.
             start = time.perf_counter()

@@ -157,7 +157,7 @@ def _jax_profile(step, warmup, steps, directory, gaps=False):
         else:
             if event["name"].startswith("PjitFunction") or "Execute" in event["name"]:
                 host[event["name"]].append(event["dur"])
-            if event["name"].startswith(("PjitFunction", "phase:")):
+            if gaps:
                 spans.append((event["name"], event["ts"], event["dur"], (event["pid"], event.get("tid"))))
     if gaps:
         return wall_ms, kernels, programs, host, _gap_report(kernels, spans, names, steps)
@@ -216,6 +216,17 @@ def _gap_report(kernels, spans, names, steps):
     for start, stop, k in phases:
         phase_time[names[k] if k < len(names) else "?"] += stop - start
     lines += [f"{value / 1e3 / steps:8.2f}  {name}" for name, value in phase_time.items()]
+    lines.append("\n### host events during idle stretches of 0.3 ms or more (ms per step they overlap, any depth)")
+    main_thread = next(thread for name, _, _, thread in spans if name.startswith("phase:"))
+    overlap = collections.Counter()
+    for start, stop in idle:
+        if stop - start < 300:
+            continue
+        for name, begin, dur, thread in spans:
+            if not name.startswith("phase:") and begin < stop and begin + dur > start:
+                where = "" if thread == main_thread else " [another thread]"
+                overlap[name[:90] + where] += min(stop, begin + dur) - max(start, begin)
+    lines += [f"{value / 1e3 / steps:8.3f}  {name}" for name, value in overlap.most_common(25)]
     lines.append("\n### the longest idle stretches (ms, phase, host)")
     for start, stop in sorted(idle, key=lambda gap: gap[0] - gap[1])[:12]:
         phase, doing = label(start)

@@ -68,10 +68,11 @@ class Members:
     members are known by identity only (held, the root and they would keep each other alive; held
     weakly, torch.utils.swap_tensors, which Module.to uses, refuses to swap them)."""
 
-    __slots__ = ("spans", "ids", "index", "by_chain", "span_index", "pieces", "generation")
+    __slots__ = ("spans", "shapes", "ids", "index", "by_chain", "span_index", "pieces", "generation")
 
     def __init__(self, tensors, spans, chains):
         self.spans = spans
+        self.shapes = tuple(shape for _, _, shape in spans)
         self.ids = tuple(map(id, tensors))
         self.index = {key: position for position, key in enumerate(self.ids)}
         self.by_chain = dict(zip(chains, spans))  # a member's chain -> its span (an alias has the same chain)
@@ -90,7 +91,7 @@ class Members:
         """The member's value cut from the root's current `value`: every member is cut in one
         program, the first time one is read after the root changed."""
         if self.pieces is None or self.generation != root._generation:
-            self.pieces = list(_split_jit(value, tuple(shape for _, _, shape in self.spans)))
+            self.pieces = list(_split_jit(value, self.shapes))
             self.generation = root._generation
         return self.pieces[position]
 
@@ -197,6 +198,8 @@ def layout(tensors):
     members = None if root is None else root.__dict__.get("_members")
     if members is None:
         return None
+    if holding(tensors) is root:
+        return root, members.shapes, None  # all its members, in order: the usual step
     index, positions, last = members.index, [], -1
     for tensor in tensors:
         position = index.get(id(tensor), -1)
@@ -204,8 +207,7 @@ def layout(tensors):
             return None
         positions.append(position)
         last = position
-    shapes = tuple(shape for _, _, shape in members.spans)
-    return root, shapes, (None if len(positions) == len(shapes) else tuple(positions))
+    return root, members.shapes, (None if len(positions) == len(members.shapes) else tuple(positions))
 
 
 def flat_members(flat, like):
