@@ -923,9 +923,15 @@ def _view_plan(func, mapping):
     lazy = {}  # direct key -> what _lazy_view takes after the base
     # (one result only: the key of a split, whose views are made at once, would be built twice a call)
     single = [str(item.type) for item in func._schema.returns] == ["Tensor"]
+    # slice's keys without the offset, seen to make a plain view on the device (_moving_slice)
+    moving = set() if func == aten.slice.Tensor else None
 
     def run(args, kwargs):
         base = args[0]
+        if moving and not kwargs and not settings.tracing:
+            view = _moving_slice(moving, mapping, args)
+            if view is not None:
+                return view
         key = None
         if single and type(base) is BridgeTensor and base.dtype not in _HOST_DTYPES and settings.compile_ops and not settings.tracing:
             key = _direct_key(args, kwargs)
@@ -951,9 +957,69 @@ def _view_plan(func, mapping):
             return out
         if key is not None:
             _learn_lazy(lazy, key, out, step, compute.direct.get(key))
+        if moving is not None and not kwargs and type(out) is BridgeTensor and out._host is None and out._pending is None:
+            found = _slice_key(args)
+            if found is not None and found[1] == tuple(out.shape):
+                if len(moving) >= _DIRECT_LIMIT:
+                    moving.clear()
+                moving.add(found[0])
         return out
 
     return run
+
+
+def _slice_key(args):
+    """(key, result shape) of `aten.slice.Tensor(base, dim, start, end, step)` with the start left
+    out (the base's shape, dtype and device, the dim, step and count of elements), or None for
+    arguments other than a bridge tensor and ints (None for the start or end) with a step of 1 or
+    more. The count is torch's: negative bounds count from the end, and both are clamped."""
+    base = args[0]
+    if type(base) is not BridgeTensor:
+        return None
+    dim, start, end, step = (tuple(args[1:]) + (0, None, None, 1)[len(args) - 1 :])[:4]
+    if type(dim) is not int or type(step) is not int or step < 1 or (start is not None and type(start) is not int) or (end is not None and type(end) is not int):
+        return None
+    shape = tuple(base.shape)
+    if not -len(shape) <= dim < len(shape):
+        return None
+    dim %= len(shape)
+    size = shape[dim]
+    start = 0 if start is None else (start + size if start < 0 else start)
+    end = size if end is None else (end + size if end < 0 else end)
+    start, end = min(max(start, 0), size), min(max(end, 0), size)
+    count = max(0, -(-(end - start) // step))
+    key = (shape, base.dtype, base._index, dim, step, count)
+    return key, shape[:dim] + (count,) + shape[dim + 1 :]
+
+
+def _moving_slice(moving, mapping, args):
+    """A slice at an offset that changes from call to call (a loop's `source[i:i + 35]`, as
+    pytorch/examples' word_language_model takes its batches): its view made at once, without
+    running anything, where a slice of the same base shape, dim, step and length made a plain
+    view on the device before. It is read as any view whose root changed is: its chain applied
+    to the root's value (`_part`: one program a shape, the offset its argument). Through the
+    op's full path (signature, metadata check, an entry per offset) each such call cost a few
+    hundred microseconds of host time. A base with its value on the host is left to that path
+    (small integer work stays there: _on_host)."""
+    found = _slice_key(args)
+    if found is None or found[0] not in moving:
+        return None
+    base = args[0]
+    if base._host is not None or base._pending is not None:
+        return None
+    root = root_of(base)
+    if root._pending is not None or root._host is not None:
+        return None
+    step = ViewStep(mapping, tuple(args[1:]), {}, None)
+    view = BridgeTensor(jax.ShapeDtypeStruct(found[1], TORCH_TO_JAX[base.dtype]), base._index)
+    view._root, view._seen = root, -1
+    view._chain = base._chain + (step,)
+    view._made = (functools.partial(_step_on_first, step), base, root._generation)  # (the base's value, if kept, is cut)
+    return view
+
+
+def _step_on_first(step, arrays):
+    return step(arrays[0])
 
 
 def _item_plan(func, mapping):

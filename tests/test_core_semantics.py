@@ -3,6 +3,7 @@ devices, sync points, seeding. Eager torch on the CPU is the oracle."""
 
 import copy
 
+import jax
 import pytest
 import torch
 import torch.nn as nn
@@ -143,6 +144,43 @@ def test_repeated_views_read_their_base_when_read(bridged):
     assert len(results[1]) == 24
     for expected, actual in zip(*results):
         _same(expected, actual)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float32])
+def test_slices_at_moving_offsets_are_views_as_in_torch(bridged, dtype):
+    """A loop's `source[i:i + 35]` at a new offset each call (word_language_model's batches)
+    makes its view without running anything once a slice of that length was seen
+    (runtime.dispatch._moving_slice); its values, bounds (negative, past the end, a step), writes
+    through it, later writes to the base and gradients are torch's."""
+    # (more elements than integer work goes to the host with: runtime.dispatch._NEW_SHAPE_ELEMENTS)
+    cpu = (torch.arange(70_000 * 4) % 97).reshape(70_000, 4).to(dtype)
+    gpu = cpu.to("cuda")
+    bounds = lambda i: [(i, i + 35), (i, None), (-i - 40, -i - 5), (i, i + 10_000), (i, i + 35, 2), (i + 1, i)]
+    lazy = 0
+    for i in range(0, 250, 7):
+        for bound in bounds(i):
+            view = gpu[slice(*bound)]
+            lazy += isinstance(view._value, jax.ShapeDtypeStruct)  # made without a program
+            _same(cpu[slice(*bound)], view)
+        _same(cpu[i + 1 : i + 36].view(-1), gpu[i + 1 : i + 36].view(-1))
+        _same(cpu[:, 1:3][i : i + 9], gpu[:, 1:3][i : i + 9])  # a slice of a view
+    assert lazy > 150
+    for x in (cpu, gpu):
+        for i in range(20):
+            row = x[i : i + 3]
+            row.add_(1)  # a write through the view reaches the base
+            later = x[i + 5 : i + 7]
+            x.mul_(2)  # and the view reads the base's later value
+            seen = later.clone()
+            x.sub_(seen.sum())
+    _same(cpu, gpu)
+    if dtype == torch.float32:
+        grads = []
+        for device in ("cpu", "cuda"):
+            weight = torch.zeros(50, 3, device=device, requires_grad=True)
+            sum(weight[i : i + 10].sum() * (i + 1) for i in range(12)).backward()
+            grads.append(weight.grad)
+        _same(*grads)
 
 
 # Writes through the views between complex and real numbers land on the right components.
