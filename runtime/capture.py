@@ -1348,8 +1348,13 @@ def _gradient(grad, shape, dtype, index):
     if isinstance(grad, BridgeTensor):
         return grad
     if grad is None:
-        return BridgeTensor(jax.numpy.zeros(shape, dtype), index)
+        return BridgeTensor(_zeros(tuple(shape), jax.numpy.dtype(dtype)), index)
     return BridgeTensor(jax.numpy.asarray(grad.detach().numpy(), dtype=dtype), index)
+
+
+# Zeros for an output torch gives no gradient: one program a shape (jnp.zeros called eagerly
+# took JAX's per-primitive path, about 1 ms of host time a call on a CPU).
+_zeros = jax.jit(jax.numpy.zeros, static_argnums=(0, 1))
 
 
 class _RegionGradFunction(torch.autograd.Function):
