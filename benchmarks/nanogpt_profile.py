@@ -1,6 +1,6 @@
 """Where nanoGPT bench.py's step time goes, under the bridge or under torch.compile (GPU).
 
-    python benchmarks/nanogpt_profile.py bridge|compile --nanogpt PATH [--gaps] [--no-profile] [--cprofile]
+    python benchmarks/nanogpt_profile.py bridge|compile --nanogpt PATH [--gaps] [--no-profile] [--cprofile] [--launch-times]
 
 The step is bench.py's (nanoGPT's own model.py from the checkout at PATH, unmodified: GPT-2
 small 12x768, batch 12x1024, bf16 autocast, `configure_optimizers` with its fused AdamW, then
@@ -10,6 +10,8 @@ profile for the bridge, torch.profiler for torch.compile) and writes
 $OUT (or /tmp)/nanogpt_<case>.txt with profile_step.py's report: kernels by family and by
 name, and with --gaps where the GPU waits and what the host is doing meanwhile. --cprofile first
 prints cProfile's view of 10 steps (the host's Python, by time spent in each function).
+--launch-times (bridge) prints, for 30 steps, the host's time from `loss.item()`'s return to the
+points on the way to the region's program call and past it: the GPU waits that long.
 """
 
 import argparse
@@ -30,6 +32,7 @@ def main(argv=None):
     parser.add_argument("--gaps", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--cprofile", action="store_true")
+    parser.add_argument("--launch-times", action="store_true")
     options = parser.parse_args(argv)
     sys.path.insert(0, options.nanogpt)
     if options.case == "bridge":
@@ -63,6 +66,8 @@ def main(argv=None):
         loss.item()
         mark("item")
 
+    if options.launch_times and options.case == "bridge":
+        _launch_times(step)
     for _ in range(8):
         step()
     times = []
@@ -95,6 +100,50 @@ def main(argv=None):
     with open(os.path.join(os.environ.get("OUT", "/tmp"), f"nanogpt_{options.case}.txt"), "w") as handle:
         handle.write(text)
     print(text, flush=True)
+
+
+def _launch_times(step):
+    """Median ms from loss.item()'s return to each point of the next step's way to its program."""
+    from bridge.runtime import capture
+
+    marks = {}
+
+    def mark(name):
+        marks.setdefault(name, []).append(time.perf_counter())
+
+    def marked(function, name):
+        def call(*args, **kwargs):
+            mark(name)
+            return function(*args, **kwargs)
+
+        return call
+
+    region_call, gather, forward = capture.Region.__call__, capture._gather, capture._RegionFunction.forward
+
+    def timed_forward(ctx, program, state, *tensors):
+        mark("_RegionFunction.forward")
+        result = forward(ctx, program, state, *tensors)
+        mark("forward returned (the program called)")
+        return result
+
+    capture.Region.__call__ = marked(region_call, "Region.__call__")
+    capture._gather = marked(gather, "_gather")
+    capture._RegionFunction.forward = staticmethod(timed_forward)
+    try:
+        for _ in range(8):
+            step()
+        marks.clear()
+        for _ in range(30):
+            step(mark)
+    finally:
+        capture.Region.__call__, capture._gather = region_call, gather
+        capture._RegionFunction.forward = staticmethod(forward)
+    returns = marks["item"]
+    print("ms from loss.item()'s return (median of 29 steps):", flush=True)
+    for name in ("Region.__call__", "_gather", "_RegionFunction.forward", "forward returned (the program called)", "forward", "backward", "optimizer", "item"):
+        values = marks.get(name, [])
+        deltas = [values[k] - returns[k - 1] for k in range(1, min(len(values), len(returns)))]
+        print(f"  {name:40s} {statistics.median(deltas) * 1e3:8.3f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -50,10 +50,11 @@ class ProgramRow:
 PROGRAM_ROWS = (
     ProgramRow(
         "nanoGPT `bench.py` (GPT-2 small, bf16, `AdamW(fused=True)`, two parameter groups)",
-        "real_programs_h200_2026-11-28_night",
+        "real_programs_h200_2026-11-28_late",
         "nanogpt-bench",
     ),
-    ProgramRow("nanoGPT `bench.py`, the run before", "real_programs_h200_2026-11-28_flat_parameters", "nanogpt-bench"),
+    ProgramRow("nanoGPT `bench.py`, the run before", "real_programs_h200_2026-11-28_night", "nanogpt-bench"),
+    ProgramRow("nanoGPT `bench.py`, another run", "real_programs_h200_2026-11-28_flat_parameters", "nanogpt-bench"),
     ProgramRow(
         "nanoGPT `bench.py`, before the parameters were packed", "real_programs_h200_2026-11-28_nanogpt_trainer", "nanogpt-bench"
     ),
@@ -113,8 +114,13 @@ PROGRAM_ROWS = (
     ProgramRow("pytorch/examples imagenet `-a resnet50 --dummy` (DataParallel)", "real_programs_h200_2026-11-28_night", "imagenet"),
     ProgramRow("pytorch/examples imagenet, the run before", "real_programs_h200_2026-11-27_host_int_ops_2", "imagenet"),
     ProgramRow("pytorch/examples imagenet, another run", "real_programs_h100_2026-11-26_pm_2", "imagenet"),
-    ProgramRow("pytorch/examples word_language_model `--model Transformer`", "real_programs_h200_2026-11-28_night", "word-lm"),
-    ProgramRow("word_language_model, the run before", "real_programs_h200_2026-11-27_facts", "word-lm"),
+    ProgramRow(
+        "pytorch/examples word_language_model `--model Transformer` (before slices at moving offsets were views)",
+        "real_programs_h200_2026-11-28_late",
+        "word-lm",
+    ),
+    ProgramRow("word_language_model, the run before", "real_programs_h200_2026-11-28_night", "word-lm"),
+    ProgramRow("word_language_model, another run", "real_programs_h200_2026-11-27_facts", "word-lm"),
     ProgramRow("word_language_model, another run", "real_programs_h200_2026-11-27_deferred_updates", "word-lm"),
     ProgramRow(
         "word_language_model, the run before in-place updates ran together",
