@@ -184,7 +184,7 @@ def main(argv=None):
     parser.add_argument("--only", default="", help="optimizers by lower-case name, comma-separated")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--name", default="optimizer_steps")
-    parser.add_argument("--profile", action="store_true", help="cProfile the timed steps of each case (printed with the logs)")
+    parser.add_argument("--profile", action="store_true", help="cProfile the timed steps of each case (printed with the logs; PROFILE_SORT and PROFILE_ROWS set its order and rows)")
     parser.add_argument("--eager", action="store_true", help="also the bridge's eager mode (each torch op a call; a table of its own)")
     parser.add_argument("--schedule", action="store_true", help="a cosine learning-rate schedule stepped after each step")
     parser.add_argument("--runtime", choices=["torch", "bridge", "bridge-eager"], help=argparse.SUPPRESS)
