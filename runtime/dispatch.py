@@ -972,7 +972,8 @@ def _slice_key(args):
     """(key, result shape) of `aten.slice.Tensor(base, dim, start, end, step)` with the start left
     out (the base's shape, dtype and device, the dim, step and count of elements), or None for
     arguments other than a bridge tensor and ints (None for the start or end) with a step of 1 or
-    more. The count is torch's: negative bounds count from the end, and both are clamped."""
+    more, over a base of known sizes. The count is torch's: negative bounds count from the end,
+    and both are clamped."""
     base = args[0]
     if type(base) is not BridgeTensor:
         return None
@@ -980,8 +981,8 @@ def _slice_key(args):
     if type(dim) is not int or type(step) is not int or step < 1 or (start is not None and type(start) is not int) or (end is not None and type(end) is not int):
         return None
     shape = tuple(base.shape)
-    if not -len(shape) <= dim < len(shape):
-        return None
+    if not -len(shape) <= dim < len(shape) or not all(type(size) is int for size in shape):
+        return None  # (a symbolic size: an exported program's dynamic dimension)
     dim %= len(shape)
     size = shape[dim]
     start = 0 if start is None else (start + size if start < 0 else start)
