@@ -243,11 +243,14 @@ def _synthetic_corpus(folder):
                 out.write(" " + " ".join(rng.choices(vocabulary, k=rng.randint(20, 90))) + " \n")
 
 
+WORD_LM_ARGS = ["main.py", "--accel", "--model", "Transformer", "--epochs", "1", "--log-interval", "100", "--lr", "5"]
+
+
 def word_lm(checkout, scratch, seconds):
     folder = os.path.join(scratch, "word_language_model")
     shutil.copytree(os.path.join(checkout, "word_language_model"), folder, dirs_exist_ok=True)
     _synthetic_corpus(os.path.join(folder, "data", "wikitext-2"))
-    args = ["main.py", "--accel", "--model", "Transformer", "--epochs", "1", "--log-interval", "100", "--lr", "5"]
+    args = WORD_LM_ARGS
     cases = {}
     for case, command, env in (
         ("torch", [sys.executable, *args], None),

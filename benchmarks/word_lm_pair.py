@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,17 +27,14 @@ import real_programs  # noqa: E402
 
 
 def _run(folder, code, cache, seconds):
-    args = ["main.py", "--accel", "--model", "Transformer", "--epochs", "1", "--log-interval", "100", "--lr", "5"]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")  # (a run cut off keeps what it printed)
+    """main.py's ms/batch per interval of 100 batches, the first left out: under torch (`code`
+    None) or under the bridge checked out at `code`."""
     if code is None:
-        command = [sys.executable, *args]
+        command, env = [sys.executable, *real_programs.WORD_LM_ARGS], None
     else:
-        env.update(PYTHONPATH=code, BRIDGE_CACHE_DIR=cache)
-        command = [sys.executable, "-m", "bridge", "run", *args]
-    try:
-        output = subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=seconds).stdout
-    except subprocess.TimeoutExpired as cut:
-        output = cut.stdout.decode() if isinstance(cut.stdout, bytes) else (cut.stdout or "")
+        command, env = real_programs._bridge(real_programs.WORD_LM_ARGS, cache)
+        env["PYTHONPATH"] = code
+    output, _, _ = real_programs._run(command, folder, seconds, env)  # (unbuffered: a run cut off keeps what it printed)
     return [float(value) for value in re.findall(r"ms/batch\s+([0-9.]+)", output)][1:]
 
 

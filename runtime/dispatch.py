@@ -1012,11 +1012,9 @@ def _moving_slice(moving, mapping, args):
     if root._pending is not None or root._host is not None:
         return None
     step = ViewStep(mapping, tuple(args[1:]), {}, None)
-    view = BridgeTensor(jax.ShapeDtypeStruct(found[1], TORCH_TO_JAX[base.dtype]), base._index)
-    view._root, view._seen = root, -1
-    view._chain = base._chain + (step,)
-    view._made = (functools.partial(_step_on_first, step), base, root._generation)  # (the base's value, if kept, is cut)
-    return view
+    struct = jax.ShapeDtypeStruct(found[1], TORCH_TO_JAX[base.dtype])
+    # (read first with its base unchanged: the base's value, if kept, is cut)
+    return _lazy_view(base, functools.partial(_step_on_first, step), struct, step, base._index)
 
 
 def _step_on_first(step, arrays):
