@@ -1,6 +1,6 @@
 """Where nanoGPT bench.py's step time goes, under the bridge or under torch.compile (GPU).
 
-    python benchmarks/nanogpt_profile.py bridge|compile --nanogpt PATH [--gaps] [--no-profile] [--cprofile] [--launch-times]
+    python benchmarks/nanogpt_profile.py bridge|compile --nanogpt PATH [--gaps] [--origins] [--no-profile] [--cprofile] [--launch-times]
 
 The step is bench.py's (nanoGPT's own model.py from the checkout at PATH, unmodified: GPT-2
 small 12x768, batch 12x1024, bf16 autocast, `configure_optimizers` with its fused AdamW, then
@@ -8,7 +8,8 @@ forward, `zero_grad(set_to_none=True)`, backward, step and `loss.item()`), on ra
 Prints the median step time and the host's time per phase; then profiles 5 steps (a JAX
 profile for the bridge, torch.profiler for torch.compile) and writes
 $OUT (or /tmp)/nanogpt_<case>.txt with profile_step.py's report: kernels by family and by
-name, and with --gaps where the GPU waits and what the host is doing meanwhile. --cprofile first
+name, with --gaps where the GPU waits and what the host is doing meanwhile, and with --origins
+(bridge) the XLA program and HLO instruction of each long kernel. --cprofile first
 prints cProfile's view of 10 steps (the host's Python, by time spent in each function).
 --launch-times (bridge) prints, for 30 steps, the host's time from `loss.item()`'s return to the
 points on the way to the region's program call and past it: the GPU waits that long.
@@ -30,6 +31,7 @@ def main(argv=None):
     parser.add_argument("case", choices=["bridge", "compile"])
     parser.add_argument("--nanogpt", required=True, help="a nanoGPT checkout")
     parser.add_argument("--gaps", action="store_true")
+    parser.add_argument("--origins", action="store_true")
     parser.add_argument("--no-profile", action="store_true")
     parser.add_argument("--cprofile", action="store_true")
     parser.add_argument("--launch-times", action="store_true")
@@ -90,10 +92,8 @@ def main(argv=None):
     if options.no_profile:
         return
     if options.case == "bridge":
-        profiled = profile_step._jax_profile(step, 2, 5, tempfile.mkdtemp(), gaps=options.gaps)
-        text = profile_step._report(options.case, profiled[0], 5, *profiled[1:4])
-        if options.gaps:
-            text += profiled[4]
+        profiled = profile_step._jax_profile(step, 2, 5, tempfile.mkdtemp(), gaps=options.gaps, origins=options.origins)
+        text = profile_step._report(options.case, profiled[0], 5, *profiled[1:4]) + "".join(profiled[4:])
     else:
         wall_ms, kernels = profile_step._torch_profile(step, 2, 5)
         text = profile_step._report(options.case, wall_ms, 5, kernels)

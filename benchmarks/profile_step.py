@@ -116,7 +116,9 @@ def _annotated(step):
     return run, names
 
 
-def _jax_profile(step, warmup, steps, directory, gaps=False):
+def _jax_profile(step, warmup, steps, directory, gaps=False, origins=False):
+    """Profiles `steps` steps; returns (wall ms a step, kernels, programs, host events), then the
+    gap report with `gaps`, then with `origins` the origins report (_origins_report)."""
     import jax
 
     for _ in range(warmup):
@@ -144,6 +146,7 @@ def _jax_profile(step, warmup, steps, directory, gaps=False):
             threads[(event["pid"], event["tid"])] = event["args"]["name"]
     kernels, programs, host = [], collections.defaultdict(list), collections.defaultdict(list)
     spans = []  # (name, start, duration, thread) of host events, for --gaps
+    sources = collections.defaultdict(collections.Counter)  # kernel -> {(program, HLO op): time}
     for event in events:
         if event.get("ph") != "X":
             continue
@@ -154,14 +157,36 @@ def _jax_profile(step, warmup, steps, directory, gaps=False):
                 programs[event["name"]].append(event["dur"])
             elif "Stream" in thread or "stream" in thread:
                 kernels.append((event["name"], event["ts"], event["dur"]))
+                args = event.get("args", {})
+                sources[event["name"]][(args.get("hlo_module", "?"), args.get("hlo_op", "?"))] += event["dur"]
         else:
             if event["name"].startswith("PjitFunction") or "Execute" in event["name"]:
                 host[event["name"]].append(event["dur"])
             if gaps:
                 spans.append((event["name"], event["ts"], event["dur"], (event["pid"], event.get("tid"))))
+    result = (wall_ms, kernels, programs, host)
     if gaps:
-        return wall_ms, kernels, programs, host, _gap_report(kernels, spans, names, steps)
-    return wall_ms, kernels, programs, host
+        result += (_gap_report(kernels, spans, names, steps),)
+    if origins:
+        result += (_origins_report(sources, steps),)
+    return result
+
+
+def _origins_report(sources, steps, rows=60):
+    """The longest kernels with the XLA program and HLO instruction each ran for (the trace's
+    `hlo_module` and `hlo_op`), to be read beside the program's dumped HLO
+    (XLA_FLAGS=--xla_dump_to=DIR --xla_dump_hlo_as_text)."""
+    lines = ["\n## kernels by origin (ms per step; XLA program; HLO instruction; kernel)"]
+    flat = [(dur, module, op, kernel) for kernel, table in sources.items() for (module, op), dur in table.items()]
+    by_module = collections.Counter()
+    for dur, module, _, _ in flat:
+        by_module[module] += dur
+    for module, dur in by_module.most_common():
+        lines.append(f"{dur / 1e3 / steps:8.3f}  {module}")
+    lines.append("")
+    for dur, module, op, kernel in sorted(flat, reverse=True)[:rows]:
+        lines.append(f"{dur / 1e3 / steps:8.3f}  {module[:40]:40s} {op[:40]:40s} {kernel[:70]}")
+    return "\n".join(lines) + "\n"
 
 
 def _gap_report(kernels, spans, names, steps):

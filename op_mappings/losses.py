@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from bridge.runtime import config, dtypes
+from bridge.runtime import dtypes
 from bridge.runtime.registry import TolerantNamespace, aten, jnp_dtype, register_mapping
 from .common import accumulator_dtype
 
@@ -104,25 +104,33 @@ def _nll_parts(self, target, weight, ignore_index):
     return class_axis, safe_target, element_weight
 
 
-def _pick(self, safe_target, class_axis, by_mask):
-    """Each row's entry at its target class. `by_mask`: as a masked sum over the classes, whose
-    derivative is a select that fuses into the log-softmax backward; a gather's derivative is
-    a scatter into a materialized zero tensor of the log-probabilities' size (in a captured
-    GPT-2 step, three extra passes over its 0.4 G logits). One entry plus zeros: the sum is
-    exact."""
-    if by_mask:
-        classes = lax.broadcasted_iota(safe_target.dtype, self.shape, class_axis)
-        chosen = classes == jnp.expand_dims(safe_target, class_axis)
-        return jnp.sum(jnp.where(chosen, self, jnp.zeros((), self.dtype)), axis=class_axis)
-    return jnp.squeeze(jnp.take_along_axis(self, jnp.expand_dims(safe_target, class_axis), axis=class_axis), class_axis)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def _picked(values, target, class_axis):
+    """Each row's entry at its target class: a gather, which reads one entry a row. Its
+    derivative is the masked sum's (below), not the gather's: the gather's transpose is a scatter
+    into a materialized zero tensor of the log-probabilities' size (in a captured GPT-2 step,
+    three extra passes over its 0.4 G logits), the masked sum's a select that fuses into the
+    log-softmax backward. A masked sum as the value itself would read every row whole in the
+    forward (a pass over nanoGPT's 0.6 G logits on each step). One entry plus zeros: both
+    values are exact."""
+    return jnp.squeeze(jnp.take_along_axis(values, jnp.expand_dims(target, class_axis), axis=class_axis), class_axis)
+
+
+@_picked.defjvp
+def _picked_tangent(class_axis, primals, tangents):
+    values, target = primals
+    tangent = tangents[0]
+    classes = lax.broadcasted_iota(target.dtype, values.shape, class_axis)
+    chosen = classes == jnp.expand_dims(target, class_axis)
+    return _picked(values, target, class_axis), jnp.sum(jnp.where(chosen, tangent, jnp.zeros((), tangent.dtype)), axis=class_axis)
 
 
 # The nll bodies run a dozen primitives: compiled as one program, they dispatch (and compile) once.
-@functools.partial(jax.jit, static_argnames=("reduction", "ignore_index", "by_mask"))
-def _nll_forward(self, target, weight, reduction, ignore_index, by_mask=False):
+@functools.partial(jax.jit, static_argnames=("reduction", "ignore_index"))
+def _nll_forward(self, target, weight, reduction, ignore_index):
     class_axis, safe_target, element_weight = _nll_parts(self, target, weight, ignore_index)
     accumulator = element_weight.dtype
-    picked = _pick(self, safe_target, class_axis, by_mask and self.ndim >= 2)
+    picked = _picked(self, safe_target, class_axis)
     # A select, not the product by a zero weight alone: when this body is differentiated (a captured
     # region's backward is its vjp), ignored targets must get a zero gradient, not 0 * (grad / 0).
     ignored = target == ignore_index
@@ -152,8 +160,8 @@ def _nll_backward(grad_output, self, target, weight, reduction, ignore_index, to
 
 @register_mapping(aten.nll_loss_forward.default)
 def nll_loss_forward(self, target, weight, reduction, ignore_index):
-    # Traced (a captured region), JAX differentiates this body: the masked pick.
-    return _nll_forward(self, target, weight, reduction, ignore_index, by_mask=bool(config.settings.tracing))
+    # Traced (a captured region), JAX differentiates this body (_picked's derivative).
+    return _nll_forward(self, target, weight, reduction, ignore_index)
 
 
 @register_mapping(aten.nll_loss_backward.default)
@@ -163,7 +171,7 @@ def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index
 
 @register_mapping(aten.nll_loss2d_forward.default)
 def nll_loss2d_forward(self, target, weight, reduction, ignore_index):
-    return _nll_forward(self, target, weight, reduction, ignore_index, by_mask=bool(config.settings.tracing))
+    return _nll_forward(self, target, weight, reduction, ignore_index)
 
 
 @register_mapping(aten.nll_loss2d_backward.default)

@@ -875,7 +875,7 @@ def test_two_captured_calls_in_one_autocast_block(captured):
 
 class LossOf(torch.nn.Module):
     """Logits from a linear layer, then one of cross_entropy's forms (the captured program
-    differentiates the nll pick as a masked sum; see op_mappings/losses._pick)."""
+    differentiates the nll pick as a masked sum; see op_mappings/losses._picked)."""
 
     def __init__(self, loss):
         super().__init__()
