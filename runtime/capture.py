@@ -573,6 +573,9 @@ def _trace_body(function, program, watched=None):
                 root._value = value
                 root._generation += 1
             inputs = [BridgeTensor(value, index) for value, index in zip(input_values, program.input_indices)]
+            # The inputs are the body's own, traced or not: a double backward runs the body under
+            # jax.vjp outside jit, where its integer inputs (cross_entropy's targets) are arrays.
+            trace.known.update(map(id, inputs))
             leaves = list(program.statics)
             for position, tensor in zip(program.tensor_positions, inputs):
                 leaves[position] = tensor

@@ -915,6 +915,25 @@ def test_cross_entropy_forms_match_torch(captured, loss, shape):
     assert not capture.breaks
 
 
+def test_cross_entropy_double_backward_matches_torch(captured):
+    """A gradient penalty through cross_entropy (create_graph=True): the region's gradient program
+    differentiates the pick's derivative again."""
+    torch.manual_seed(0)
+    reference, model = _pair(LossOf(lambda z, y: F.cross_entropy(z, y, ignore_index=2)))
+
+    def penalty(net, x, y):
+        x = x.clone().requires_grad_()
+        (grad,) = torch.autograd.grad(net(x, y), x, create_graph=True)
+        return grad.square().sum()
+
+    x, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
+    y[0] = 2
+    penalty(reference, x, y).backward()
+    penalty(model, x.cuda(), y.cuda()).backward()
+    for p_ref, p in zip(reference.parameters(), model.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-7)
+
+
 @pytest.mark.cpu_exact
 def test_cross_entropy_under_bf16_autocast_matches_torch(captured):
     """bf16 logits equal torch's bit for bit; the bf16 backward rounds differently from torch's
