@@ -23,7 +23,9 @@ as any view is.
 from __future__ import annotations
 
 import gc
+import itertools
 import math
+import operator
 import sys
 
 import jax
@@ -186,7 +188,11 @@ def holding(tensors):
     members = root.__dict__.get("_members")
     if members is None or members.ids != tuple(map(id, tensors)):
         return None
-    return root if all(tensor._root is root for tensor in tensors) else None
+    # (C loops: an optimizer step asks this of its parameters and each state list, 148 tensors each)
+    return root if all(map(operator.is_, map(_ROOT, tensors), itertools.repeat(root))) else None
+
+
+_ROOT = operator.attrgetter("_root")
 
 
 def layout(tensors):
