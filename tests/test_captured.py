@@ -932,6 +932,8 @@ def test_cross_entropy_double_backward_matches_torch(captured):
     penalty(model, x.cuda(), y.cuda()).backward()
     for p_ref, p in zip(reference.parameters(), model.parameters()):
         torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-5, atol=1e-7)
+    assert not capture.breaks
+    assert len(_regions("LossOf")) == 1
 
 
 @pytest.mark.cpu_exact
