@@ -256,6 +256,25 @@ def test_layer_norm(dtype):
     check(aten.native_layer_norm_backward.default, grad, input, [6], mean, inverse_std, None, None, [True, False, False])
 
 
+@pytest.mark.parametrize("offset", [1e4, -3e5])
+def test_layer_norm_far_from_zero(offset):
+    # The statistics come from one pass of shifted sums (op_mappings.normalization._one_pass_statistics):
+    # rows far from zero keep their variance in float32, and so do constant rows (a variance of 0).
+    # At such offsets the input itself is rounded to float32's steps there, so the output is held to
+    # torch's own float32 error against float64, not to torch's float32 result.
+    input = sample(8, 768) + offset
+    input[3] = offset  # a constant row
+    input[5, 0] += 40  # a row whose first value, the shift, lies far from its mean
+    weight, bias = sample(768, seed=1), sample(768, seed=2)
+    exact = aten.native_layer_norm.default(input.double(), [768], weight.double(), bias.double(), 1e-5)
+    ours = [to_torch(value).double() for value in run_mapping(aten.native_layer_norm.default, input, [768], weight, bias, 1e-5)]
+    torch_own = [value.double() for value in aten.native_layer_norm.default(input, [768], weight, bias, 1e-5)]
+    torch.testing.assert_close(ours[2], exact[2], rtol=1e-5, atol=0)  # 1 / std: the variance, to float32's digits
+    torch.testing.assert_close(ours[1], exact[1], rtol=1e-6, atol=0)  # the mean
+    our_error, torch_error = (ours[0] - exact[0]).abs().max(), (torch_own[0] - exact[0]).abs().max()
+    assert our_error <= 1.5 * torch_error, (our_error, torch_error)
+
+
 @pytest.mark.parametrize("groups, dtype", [(3, torch.float32), (6, torch.float64), (2, torch.bfloat16)])
 def test_group_norm(groups, dtype):
     input = sample(2, 6, 4, 5, dtype=dtype)
