@@ -259,15 +259,15 @@ def _layer_norm_pullback(saved, grads, args, kwargs):
     return tuple(grad for grad, given in zip((grad_input, grad_weight, grad_bias), present) if given)
 
 
-def _one_pass_statistics(values, axes):
-    """Mean and (biased) variance over `axes`, both from sums over one reading of `values`: on a
-    GPU, XLA computes the two sums in one kernel (with the residual add that usually makes the
-    input), where the variance of the centred values needs the mean first, a pass of its own
-    (nanoGPT: 25 norms of 12288 x 768 a step, each read three times). The sums are of the values
-    less each row's first one, the shifted-data form of the variance: without the shift, a row far
-    from zero (a mean of 1e4 with a spread of 1) would lose its variance to cancellation in
-    float32; with it, the variance's relative error is about float32's rounding times the square
-    of how many spreads a row's first value lies from its mean."""
+def _shifted_statistics(values, axes):
+    """Mean and (biased) variance over `axes`, both from sums of the values less each row's first
+    one (the shifted-data form of the variance). The centred form (the mean first, then the mean
+    square of the values less it) loses digits on rows far from zero: at a mean of -3e5 with a
+    spread of 1, float32's rounding of the mean (steps of 0.03 there) put 1/std off by 7e-4,
+    where torch's kernel is exact to float32's digits. The shifted sums are of differences that
+    float32 holds exactly; the variance's relative error is then about float32's rounding times
+    the square of how many spreads a row's first value lies from its mean. (On an H200, nanoGPT's
+    step time did not change: XLA still takes two reductions a norm.)"""
     if any(values.shape[axis] == 0 for axis in axes):
         shift = jnp.zeros((), values.dtype)
     else:
@@ -289,7 +289,7 @@ def _layer_norm(input, normalized_shape, weight, bias, eps):
     accumulator = accumulator_dtype(input.dtype)
     values = input.astype(accumulator)
     axes = _trailing_axes(input, normalized_shape)
-    mean, variance = _one_pass_statistics(values, axes)
+    mean, variance = _shifted_statistics(values, axes)
     inverse_std = 1 / jnp.sqrt(variance + eps)
     out = (values - mean) * inverse_std
     if weight is not None:
