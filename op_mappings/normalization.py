@@ -259,24 +259,19 @@ def _layer_norm_pullback(saved, grads, args, kwargs):
     return tuple(grad for grad, given in zip((grad_input, grad_weight, grad_bias), present) if given)
 
 
-def _shifted_statistics(values, axes):
-    """Mean and (biased) variance over `axes`, both from sums of the values less each row's first
-    one (the shifted-data form of the variance). The centred form (the mean first, then the mean
-    square of the values less it) loses digits on rows far from zero: at a mean of -3e5 with a
-    spread of 1, float32's rounding of the mean (steps of 0.03 there) put 1/std off by 7e-4,
-    where torch's kernel is exact to float32's digits. The shifted sums are of differences that
-    float32 holds exactly; the variance's relative error is then about float32's rounding times
-    the square of how many spreads a row's first value lies from its mean. (On an H200, nanoGPT's
-    step time did not change: XLA still takes two reductions a norm.)"""
+def _shifted(values, axes):
+    """The values less each row's first one (over `axes`), and the mean of that: float32 holds
+    these differences exactly, so the mean and the variance taken from them keep their digits on
+    rows far from zero. Centred on the mean of the values themselves, a row at -3e5 with a
+    spread of 1 (where float32's steps are 0.03) put 1/std off by 7e-4; torch's kernel is exact
+    there to float32's digits, and so is this."""
     if any(values.shape[axis] == 0 for axis in axes):
         shift = jnp.zeros((), values.dtype)
     else:
         first = tuple(slice(0, 1) if axis in axes else slice(None) for axis in range(values.ndim))
         shift = lax.stop_gradient(values[first])
     shifted = values - shift
-    shifted_mean = jnp.mean(shifted, axis=axes, keepdims=True)
-    variance = jnp.maximum(jnp.mean(jnp.square(shifted), axis=axes, keepdims=True) - jnp.square(shifted_mean), 0)
-    return shift + shifted_mean, variance
+    return shift, shifted, jnp.mean(shifted, axis=axes, keepdims=True)
 
 
 @register_mapping(aten.native_layer_norm.default, gradient=Vjp(_layer_norm_saved, _layer_norm_pullback))
@@ -289,9 +284,11 @@ def _layer_norm(input, normalized_shape, weight, bias, eps):
     accumulator = accumulator_dtype(input.dtype)
     values = input.astype(accumulator)
     axes = _trailing_axes(input, normalized_shape)
-    mean, variance = _shifted_statistics(values, axes)
-    inverse_std = 1 / jnp.sqrt(variance + eps)
-    out = (values - mean) * inverse_std
+    shift, shifted, shifted_mean = _shifted(values, axes)
+    centred = shifted - shifted_mean
+    inverse_std = 1 / jnp.sqrt(jnp.mean(jnp.square(centred), axis=axes, keepdims=True) + eps)
+    mean = shift + shifted_mean
+    out = centred * inverse_std
     if weight is not None:
         out = out * weight.astype(accumulator)
     if bias is not None:

@@ -258,7 +258,7 @@ def test_layer_norm(dtype):
 
 @pytest.mark.parametrize("offset", [1e4, -3e5])
 def test_layer_norm_far_from_zero(offset):
-    # The statistics come from shifted sums (op_mappings.normalization._shifted_statistics): rows
+    # The statistics come from shifted sums (op_mappings.normalization._shifted): rows
     # far from zero keep their variance in float32 as torch's kernel does (the centred form put 1/std
     # off by 7e-4 at -3e5), and constant rows get a variance of 0.
     # At such offsets the input itself is rounded to float32's steps there, so the output is held to
