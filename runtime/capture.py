@@ -46,12 +46,12 @@ import torch
 import torch.autograd.forward_ad as _forward_ad
 from torch.utils import _pytree as pytree
 
-from . import deferred, flat, precision, random, views
+from . import bounds, deferred, flat, precision, random, views
 from . import tensor as tensor_module
 from .callsite import _is_library
 from .config import KEEP_FOR_BACKWARD, settings
 from .errors import GraphBreak
-from .tensor import BridgeTensor, read_value, root_of, when_freed, write_value
+from .tensor import BridgeTensor, host_array, read_value, root_of, when_freed, write_value
 
 # Programs kept per region before it is left to run eagerly (torch.compile's cache_size_limit).
 MAX_PROGRAMS = 8
@@ -138,6 +138,17 @@ class _Trace:
         self.guards = []  # the traced values it took learned values for (the program returns them)
         self.presence = []  # (traced bool, tensors): gradient_only_where's, in order
         self.expected = []  # the learned value of each
+        self.input_positions = {}  # id of each input tensor of the body -> its position
+        self.bounds = []  # (input position, bounds.Check, where): index checks of the inputs
+
+    def bound(self, index, check, op):
+        """An index op's bounds (runtime/bounds.py), kept where its index is an input of the
+        region (or a view of one with all its elements): each call checks the input's host value."""
+        position = bounds.input_of(index, self.input_positions)
+        if position is not None:
+            record = (position, check, bounds.where(op))
+            if record not in self.bounds:
+                self.bounds.append(record)
 
     def host_value(self, plan, args, kwargs):
         """A value the region's code needs on the host: a traced bool or integer is taken as
@@ -497,6 +508,7 @@ class Traced:
     presence: tuple  # per gradient_only_where call: the positions of its tensors' roots
     reshaped: dict  # per carried object the call changes: its state after the call (_Reshaped)
     stored: tuple  # the tensors the forward stores on its modules (_Stored), outputs after the result's
+    bounds: tuple = ()  # (input position, bounds.Check, where) of each index op on an input
 
 
 def _traced(value):
@@ -576,6 +588,7 @@ def _trace_body(function, program, watched=None):
             # The inputs are the body's own, traced or not: a double backward runs the body under
             # jax.vjp outside jit, where its integer inputs (cross_entropy's targets) are arrays.
             trace.known.update(map(id, inputs))
+            trace.input_positions = {id(tensor): position for position, tensor in enumerate(inputs)}
             leaves = list(program.statics)
             for position, tensor in zip(program.tensor_positions, inputs):
                 leaves[position] = tensor
@@ -591,6 +604,7 @@ def _trace_body(function, program, watched=None):
             torch.clear_autocast_cache()
             _trace = trace
             previous_hooks = tensor_module.set_hooks(trace.touch, trace.host_value)
+            previous_bounds, bounds.record_hook = bounds.record_hook, trace.bound
             settings.tracing += 1
             outer_for_grad = settings.tracing_for_grad
             settings.tracing_for_grad = program.grad
@@ -609,6 +623,7 @@ def _trace_body(function, program, watched=None):
                 settings.tracing_for_grad = outer_for_grad
                 _trace = previous_trace
                 tensor_module.set_hooks(*previous_hooks)
+                bounds.record_hook = previous_bounds
                 leaked = watch.restore() if watch is not None else []
             kept = [stored for stored in leaked if isinstance(stored.value, BridgeTensor)]
             if len(kept) < len(leaked):
@@ -666,6 +681,7 @@ def _trace_body(function, program, watched=None):
                 ),
                 reshaped=reshaped_objects,
                 stored=tuple(kept),
+                bounds=tuple(trace.bounds),
             )
             mutated = [roots[position]._value for position in traced.mutated_roots]
             mutated += [flat.join([roots[p]._value for p in program.packs[k].order]) for k in pack_writes]
@@ -1162,6 +1178,10 @@ def _returned(program, leaves, objects, inputs):
 def run(program, input_tensors, objects=()):
     """Run a compiled program on the current values; returns the region's result. `objects`:
     the argument objects it carries (their tensors are at the end of `input_tensors`)."""
+    for position, check, where in program.traced.bounds:
+        array = host_array(input_tensors[position])
+        if array is not None:
+            bounds.raise_outside(check, array, where)
     root_values, input_values = _gather(program, input_tensors)
     key = random.current_key()
     if not program.grad:

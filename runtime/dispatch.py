@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch._decomp
 
-from . import devices, distributed, precision, random, stats
+from . import bounds, devices, distributed, precision, random, stats
 from .compiled_ops import CompiledEntry, WithFloats, scalar_array
 from .callsite import user_call_site, warn_at_user_site
 from .config import settings
@@ -56,6 +56,9 @@ def dispatch(func, args, kwargs):
     plan = _plans.get(func)
     if plan is None:
         plan = _make_plan(func)
+    checked = bounds.SPECS.get(id(func))
+    if checked is not None and checked[0] is func:
+        bounds.check(func, checked[1], args, kwargs)  # torch's error for an index out of range
     if func is _LOCAL_SCALAR_DENSE and tensor_module.host_value_hook is not None:
         return tensor_module.host_value_hook(plan, args, kwargs)  # a value a region's trace needs on the host
     found = _tallies.get(id(func))
