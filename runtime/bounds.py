@@ -146,11 +146,13 @@ def raise_outside(bound, array, place):
 
 
 def input_of(index, positions):
-    """The position of the region input that `index` is, or is a view of with all its elements;
-    None otherwise. `positions`: id of each input tensor -> its position."""
+    """The position of the region input that `index` is, or is a view of with all its elements,
+    while the region has not written it (`labels[labels == -1] = -100` before the loss: the
+    input's host value is then not what the op reads); None otherwise. `positions`: id of each
+    input tensor -> its position."""
     root = root_of(index)
     position = positions.get(id(root))
-    if position is None:
+    if position is None or root._generation != 0:
         return None
     return position if root is index or index.numel() == root.numel() else None
 

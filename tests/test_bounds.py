@@ -96,3 +96,23 @@ def test_a_captured_region_checks_its_index_inputs(captured):
     assert not capture.breaks, capture.breaks
     # One program: the call with new shapes was traced, and refused before its program compiled.
     assert len([record for record in capture.compiles if record.region.startswith("_TokenModel")]) == 1
+
+
+class _RelabellingModel(_TokenModel):
+    def forward(self, idx, targets):
+        targets[targets == 7] = -100  # in place, on the region's input, before the loss reads it
+        logits = self.head(self.embedding(idx))
+        return F.cross_entropy(logits.view(-1, 6), targets.view(-1))
+
+
+def test_a_captured_input_written_before_its_index_op_is_not_checked_on_its_old_value(captured):
+    """The input's host value is what the call passed; the loss reads it after the region wrote
+    it. torch accepts this (the 7 became the ignored -100), and so must the bridge."""
+    torch.manual_seed(0)
+    reference = _RelabellingModel()
+    model = copy.deepcopy(reference).cuda()
+    idx, targets = torch.tensor([[1, 2, 3]]), torch.tensor([[1, 7, 2]])
+    for _ in range(2):
+        expected = reference(idx, targets.clone())
+        torch.testing.assert_close(model(idx.cuda(), targets.cuda()).cpu(), expected)
+    assert not capture.breaks, capture.breaks
