@@ -42,13 +42,16 @@ _IN_RANGE = {
 @pytest.mark.parametrize("mode", ["eager", "captured"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_an_index_out_of_range_raises_torchs_error(bridged, mode, name):
-    bridged.set_mode(mode)
     x, w, cases = _cases()
     call = cases[name]
     with pytest.raises((IndexError, RuntimeError)) as expected:  # torch's own, on the CPU
         call(x, w, lambda t: t)
-    with pytest.raises(expected.type) as raised:
-        call(x.cuda(), w.cuda(), lambda t: t.cuda())
+    previous = bridged.set_mode(mode)
+    try:
+        with pytest.raises(expected.type) as raised:
+            call(x.cuda(), w.cuda(), lambda t: t.cuda())
+    finally:
+        bridged.set_mode(previous)
     message = str(raised.value)
     assert str(expected.value).splitlines()[0].split(" for dimension")[0] in message, message
     assert "test_bounds.py" in message  # the user's line
