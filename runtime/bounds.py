@@ -19,6 +19,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+from torch._prims_common import canonicalize_dim
 
 from .callsite import user_call_site
 from .config import settings
@@ -54,8 +55,10 @@ class Check:
         return int(array[bad].flat[0])
 
 
-def _dim(tensor, dim):
-    return dim + tensor.dim() if dim < 0 else dim
+def _along(self, dim):
+    """(dim made non-negative, the size the index addresses along it; a 0-dim tensor's is 1)."""
+    dim = canonicalize_dim(self.dim(), dim)
+    return dim, self.shape[dim] if self.dim() else 1
 
 
 def _embedding(args, kwargs):
@@ -64,17 +67,13 @@ def _embedding(args, kwargs):
 
 
 def _index_select(args, kwargs):
-    self, dim, index = args[0], args[1], args[2]
-    dim = _dim(self, dim)
-    size = self.shape[dim] if self.dim() else 1
-    return [(index, Check(size, error=RuntimeError, message="INDICES element is out of DATA bounds, id={value} axis_dim={size}"))]
+    dim, size = _along(args[0], args[1])
+    return [(args[2], Check(size, error=RuntimeError, message="INDICES element is out of DATA bounds, id={value} axis_dim={size}"))]
 
 
 def _gather(args, kwargs):
-    self, dim, index = args[0], args[1], args[2]
-    dim = _dim(self, dim)
-    size = self.shape[dim] if self.dim() else 1
-    return [(index, Check(size, error=RuntimeError, message="index {value} is out of bounds for dimension {dim} with size {size}", dim=dim))]
+    dim, size = _along(args[0], args[1])
+    return [(args[2], Check(size, error=RuntimeError, message="index {value} is out of bounds for dimension {dim} with size {size}", dim=dim))]
 
 
 def _nll_loss(args, kwargs):
@@ -97,7 +96,9 @@ def _index(args, kwargs):
     return found
 
 
-_SPECS = {
+# op -> its spec: (args, kwargs) -> [(index tensor, Check)]. runtime/dispatch.py keeps each op's
+# spec beside its statistics, found by the op's id.
+SPECS = {
     aten.embedding.default: _embedding,
     aten.index_select.default: _index_select,
     aten.gather.default: _gather,
@@ -105,8 +106,6 @@ _SPECS = {
     aten.nll_loss2d_forward.default: _nll_loss,
     aten.index.Tensor: _index,
 }
-# By the op's id (its own hash is Python code; see runtime/dispatch.py's _tallies).
-SPECS = {id(op): (op, spec) for op, spec in _SPECS.items()}
 
 # Set by runtime/capture.py while a region's body is traced: record(index tensor, Check, op).
 record_hook = None

@@ -47,8 +47,9 @@ _plans = {}  # OpOverload -> callable(args, kwargs)
 _checked = {}  # signature -> None (agrees with torch) or tuple of torch dtypes to cast to
 _UNCHECKED = object()
 
-# id(op) -> (op, its stats.Tally): found by the op's id, an int, where the op's own hash is Python
-# code (two dict updates keyed by the op cost about 3 us an op on a 2-core CPU).
+# id(op) -> (op, its stats.Tally, its index bounds' spec or None: runtime/bounds.py): found by the
+# op's id, an int, where the op's own hash is Python code (two dict updates keyed by the op cost
+# about 3 us an op on a 2-core CPU).
 _tallies = {}
 
 
@@ -56,14 +57,13 @@ def dispatch(func, args, kwargs):
     plan = _plans.get(func)
     if plan is None:
         plan = _make_plan(func)
-    checked = bounds.SPECS.get(id(func))
-    if checked is not None and checked[0] is func:
-        bounds.check(func, checked[1], args, kwargs)  # torch's error for an index out of range
     if func is _LOCAL_SCALAR_DENSE and tensor_module.host_value_hook is not None:
         return tensor_module.host_value_hook(plan, args, kwargs)  # a value a region's trace needs on the host
     found = _tallies.get(id(func))
     if found is None or found[0] is not func:
-        found = _tallies[id(func)] = (func, stats.tally(func))
+        found = _tallies[id(func)] = (func, stats.tally(func), bounds.SPECS.get(func))
+    if found[2] is not None:
+        bounds.check(func, found[2], args, kwargs)  # torch's error for an index out of range
     tally = found[1]
     start = perf_counter()
     try:
