@@ -28,19 +28,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from op_overhead import per_call_us  # noqa: E402  (the same warm-up and median of 7 repeats)
 
-def _median_us(function, sync, number):
-    for _ in range(3):
-        out = function()
-    sync(out)
-    samples = []
-    for _ in range(7):
-        start = time.perf_counter()
-        for _ in range(number):
-            out = function()
-        sync(out)
-        samples.append((time.perf_counter() - start) / number * 1e6)
-    return round(statistics.median(samples), 1)
+
+def _us(function, sync, number):
+    return round(per_call_us(function, sync, number), 1)
 
 
 def _direct_entries(plan):
@@ -80,8 +72,13 @@ def eager(number):
     wide = torch.randn(64, 1000, generator=generator).to("cuda")
     A, B, WIDE = (dispatch.read_value(t) for t in (a, b, wide))
     fresh = [jax.random.normal(jax.random.PRNGKey(i), shape, jnp.float32) for i, shape in enumerate([(64, 64), (64, 64), (64, 1000)])]
-    torch_sync = lambda out=None: torch.cuda.synchronize()
-    jax_sync = jax.block_until_ready
+    def torch_sync(out=None):
+        torch.cuda.synchronize()
+
+    def jax_sync(out=None):
+        if out is not None:
+            jax.block_until_ready(out)
+
     cases = [
         ("to bfloat16", aten._to_copy.default, lambda: a.to(torch.bfloat16), jax.jit(lambda x: x.astype(jnp.bfloat16)), [A], [fresh[0]]),
         ("cat of two", aten.cat.default, lambda: torch.cat([a, b]), jax.jit(lambda x, y: jnp.concatenate([x, y])), [A, B], fresh[:2]),
@@ -92,14 +89,14 @@ def eager(number):
     print("| op | bridge us | its program alone us | raw jit, same arrays us | raw jit, fresh arrays us |")
     print("|---|---|---|---|---|")
     for name, op, bridged, raw, same, new in cases:
-        full = _median_us(bridged, torch_sync, number)
+        full = _us(bridged, torch_sync, number)
         table = _direct_entries(dispatch._plans.get(op))
         alone = "-"
         if table:
             program, _ = list(table.values())[-1]
             arrays = same  # the program takes the tensors' arrays, a list's in place of the list
-            alone = _median_us(lambda: program(arrays), jax_sync, number)
-        print(f"| {name} | {full} | {alone} | {_median_us(lambda: raw(*same), jax_sync, number)} | {_median_us(lambda: raw(*new), jax_sync, number)} |", flush=True)
+            alone = _us(lambda: program(arrays), jax_sync, number)
+        print(f"| {name} | {full} | {alone} | {_us(lambda: raw(*same), jax_sync, number)} | {_us(lambda: raw(*new), jax_sync, number)} |", flush=True)
     for name, function in (("to bfloat16", cases[0][2]), ("cat of two", cases[1][2])):
         profile = cProfile.Profile()
         profile.enable()
