@@ -502,6 +502,18 @@ def _edit_to_float64(net):
     net.double()
 
 
+def _edit_parameter_in_dict(net):
+    # As torch.func.functional_call and accelerate swap parameters: into the dict, no setattr.
+    torch.manual_seed(3)
+    net.fc2._parameters["weight"] = torch.nn.Parameter(torch.randn(3, 16).to(net.fc1.weight.device))
+
+
+def _edit_new_dict(net):
+    # The module given a new parameters dict (Module.__setattr__ stores it as a plain attribute).
+    torch.manual_seed(4)
+    net.fc1._parameters = {"weight": torch.nn.Parameter(torch.randn(16, 6).to(net.fc1.weight.device)), "bias": None}
+
+
 @pytest.mark.parametrize(
     "before, edit",
     [
@@ -511,8 +523,10 @@ def _edit_to_float64(net):
         (None, _edit_new_submodule),
         (None, _edit_hook),
         (None, _edit_to_float64),
+        (None, _edit_parameter_in_dict),
+        (None, _edit_new_dict),
     ],
-    ids=["freeze", "unfreeze", "new-parameter", "new-submodule", "hook", "to-float64"],
+    ids=["freeze", "unfreeze", "new-parameter", "new-submodule", "hook", "to-float64", "parameter-in-dict", "new-dict"],
 )
 def test_module_changes_between_replays_are_seen(captured, before, edit):
     """A module call reuses its walk of the module tree and its state's key while they hold
@@ -527,8 +541,10 @@ def test_module_changes_between_replays_are_seen(captured, before, edit):
     for step, x in enumerate(data):
         if step == 3:
             edit(reference), edit(model), edit(truth)
-            if edit is _edit_new_parameter or edit is _edit_new_submodule:
+            if edit in (_edit_new_parameter, _edit_new_submodule, _edit_parameter_in_dict):
                 truth.fc2 = copy.deepcopy(reference.fc2).double()
+            if edit is _edit_new_dict:
+                truth.fc1 = copy.deepcopy(reference.fc1).double()
         dtype = reference.fc1.weight.dtype
         for net in (reference, model, truth):
             net.zero_grad(set_to_none=True)
@@ -547,6 +563,69 @@ def test_module_changes_between_replays_are_seen(captured, before, edit):
                     # Outside the tolerance: passes only where the bridge is at least as close to
                     # float64 as torch's float32 (test_ops' rule for references).
                     assert judge_against_float64(p.grad.cpu(), p_ref.grad, p_truth.grad)[0] == "precise", name
+
+
+def test_hooks_added_and_removed_after_capture_are_seen(captured):
+    """A region's walk of its module holds until a container it read changes: a forward hook
+    registered after the region compiled (its dict changes) runs from the next call, and once
+    its handle removes it the region is captured again, as in eager torch."""
+    torch.manual_seed(0)
+    reference, model = _pair(MLP())
+    handles = {}
+    for step, x in enumerate(torch.randn(6, 4, 6)):
+        for net, device in ((reference, "cpu"), (model, "cuda")):
+            if step == 2:
+                handles[device] = net.fc2.register_forward_hook(lambda module, args, out: out * 2)
+            if step == 4:
+                handles[device].remove()
+        expected = reference(x)
+        actual = model(x.cuda())
+        torch.testing.assert_close(actual.cpu(), expected, rtol=1e-5, atol=1e-6)
+    assert capture.summary()["hooked_modules"] == {"MLP": 2, "Linear": 2}
+
+
+def test_buffer_swapped_in_its_dict_is_seen(captured):
+    """A buffer replaced in the module's `_buffers` dict (no setattr, as parameter-swapping
+    libraries do) between two calls of a compiled region: the next call reads the new one."""
+    torch.manual_seed(0)
+    reference, model = _pair(MLP())
+    reference.eval(), model.eval()
+    x = torch.randn(4, 6)
+    for step in range(4):
+        if step == 2:
+            mean = torch.randn(16)
+            reference.norm._buffers["running_mean"] = mean
+            model.norm._buffers["running_mean"] = mean.cuda()
+        torch.testing.assert_close(model(x.cuda()).cpu(), reference(x), rtol=1e-5, atol=1e-6)
+
+
+def test_a_captured_module_saves_and_copies_as_plain_torch(captured, tmp_path):
+    """Once a region has run, its module's dicts are the bridge's watched ones
+    (bridge.patches.capture._watching); copies and pickles of the module hold torch's plain
+    dict and OrderedDict, and the whole module saved loads in torch without the bridge."""
+    import collections
+    import pickle
+
+    from conftest import run_python
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 3)).cuda()
+    model(torch.randn(4, 6).cuda())
+    assert type(model[0]._parameters).__name__ == "Watcheddict"
+    for copied in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        for module in copied.modules():
+            assert type(module._parameters) is dict and type(module._modules) is dict and type(module._buffers) is dict
+            assert type(module._forward_hooks) is collections.OrderedDict
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    check = (
+        "import collections, torch\n"
+        f"m = torch.load({str(path)!r}, weights_only=False)\n"
+        "assert all(type(n._parameters) is dict and type(n._forward_hooks) is collections.OrderedDict for n in m.modules())\n"
+        "print(m(torch.randn(2, 6)).shape)\n"
+    )
+    result = run_python("-c", check)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "torch.Size([2, 3])"
 
 
 # SGD with momentum and AdamW: each keeps state per parameter (one flat array, two).
