@@ -100,11 +100,12 @@ def test_loss_inside_the_model_runs_forward_and_backward_as_one_program(captured
 
 def test_fused_backward_of_the_implicit_ones_and_of_other_gradients(captured):
     """`loss.backward()` hands the fused gradients on as they are; an explicit gradient, or the
-    implicit one edited in place by a hook, scales them."""
+    implicit one edited in place by a hook, scales them. (The second hooked step's `mul_` takes
+    the in-place fast path, which defers the write: runtime/deferred.py.)"""
     torch.manual_seed(0)
     reference, model = _pair(WithLoss())
     hooks = {"triple": lambda grad: grad.mul_(3)}
-    for backward in ("implicit", "implicit", "explicit", "hooked"):
+    for backward in ("implicit", "implicit", "explicit", "hooked", "hooked"):
         x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
         for net, device in ((reference, "cpu"), (model, "cuda")):
             net.zero_grad()
