@@ -57,7 +57,9 @@ def main(argv=None):
     autocast = torch.autocast("cuda", dtype=torch.bfloat16)
 
     def step(mark=lambda phase: None):
+        mark("started")
         with autocast:
+            mark("autocast entered")
             _, loss = model(x, y)
         mark("forward")
         optimizer.zero_grad(set_to_none=True)
@@ -103,7 +105,9 @@ def main(argv=None):
 
 
 def _launch_times(step):
-    """Median ms from loss.item()'s return to each point of the next step's way to its program."""
+    """Median ms from loss.item()'s return to each point of the next step's way to its program
+    (the GPU has nothing of the step to run until the program's call), and past it."""
+    from bridge.patches import capture as capture_patches
     from bridge.runtime import capture
 
     marks = {}
@@ -111,24 +115,27 @@ def _launch_times(step):
     def mark(name):
         marks.setdefault(name, []).append(time.perf_counter())
 
-    def marked(function, name):
+    def marked(owner, name, label):
+        function = owner.__dict__[name]
+        inner = function.__func__ if isinstance(function, staticmethod) else function
+
         def call(*args, **kwargs):
-            mark(name)
-            return function(*args, **kwargs)
+            mark(label + " called")
+            result = inner(*args, **kwargs)
+            mark(label + " returned")
+            return result
 
-        return call
+        setattr(owner, name, staticmethod(call) if isinstance(function, staticmethod) else call)
+        return lambda: setattr(owner, name, function)
 
-    region_call, gather, forward = capture.Region.__call__, capture._gather, capture._RegionFunction.forward
-
-    def timed_forward(ctx, program, state, *tensors):
-        mark("_RegionFunction.forward")
-        result = forward(ctx, program, state, *tensors)
-        mark("forward returned (the program called)")
-        return result
-
-    capture.Region.__call__ = marked(region_call, "Region.__call__")
-    capture._gather = marked(gather, "_gather")
-    capture._RegionFunction.forward = staticmethod(timed_forward)
+    undo = [
+        marked(capture_patches._ModuleRegion, "walk", "walk of the module tree"),
+        marked(capture.Region, "__call__", "Region.__call__"),
+        marked(capture.Region, "_state", "Region._state"),
+        marked(capture, "run", "capture.run"),
+        marked(capture, "_gather", "_gather"),
+        marked(capture._RegionFunction, "forward", "_RegionFunction.forward"),
+    ]
     try:
         for _ in range(8):
             step()
@@ -136,14 +143,18 @@ def _launch_times(step):
         for _ in range(30):
             step(mark)
     finally:
-        capture.Region.__call__, capture._gather = region_call, gather
-        capture._RegionFunction.forward = staticmethod(forward)
+        for restore in undo:
+            restore()
     returns = marks["item"]
     print("ms from loss.item()'s return (median of 29 steps):", flush=True)
-    for name in ("Region.__call__", "_gather", "_RegionFunction.forward", "forward returned (the program called)", "forward", "backward", "optimizer", "item"):
-        values = marks.get(name, [])
-        deltas = [values[k] - returns[k - 1] for k in range(1, min(len(values), len(returns)))]
-        print(f"  {name:40s} {statistics.median(deltas) * 1e3:8.3f}", flush=True)
+    rows = []
+    for name, values in marks.items():
+        if len(values) != len(returns):
+            continue  # (a point some steps pass more than once)
+        deltas = [values[k] - returns[k - 1] for k in range(1, len(returns))]
+        rows.append((statistics.median(deltas) * 1e3, name))
+    for ms, name in sorted(rows):
+        print(f"  {name:45s} {ms:8.3f}", flush=True)
 
 
 if __name__ == "__main__":
