@@ -1034,6 +1034,9 @@ def _item_plan(func, mapping):
     def run(args, kwargs):
         tensor = args[0]
         if type(tensor) is BridgeTensor and not kwargs and tensor.dtype not in _HOST_DTYPES and not settings.tracing and tensor.numel() == 1:
+            copy = tensor._host_copy
+            if copy is not None and copy[1] == tensor._generation and tensor._pending is None:
+                return item(copy[0])  # its program's copy in host memory (runtime.capture's fused runs)
             return item(read_value(tensor))
         return plan(args, kwargs)
 

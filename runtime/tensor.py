@@ -47,6 +47,9 @@ class BridgeTensor(torch.Tensor):
     #   a value not yet copied to the device (OnHost)
     # _host: None, or (numpy array, root, root's generation): the tensor's value on the host as of
     #   that generation of its root (None for a root itself); see host_array
+    # _host_copy: None, or (jax array in the host's memory, generation): a copy of this root's
+    #   value that its program wrote into host memory as of that generation (a training step's
+    #   loss: runtime.capture's fused runs), which `.item()` reads without a copy from the device
     # _made: None, or (program, base, root's generation): a view made
     #   without running its op (runtime.dispatch._view_plan), computed from its base when first
     #   read if its root is unchanged since
@@ -54,6 +57,7 @@ class BridgeTensor(torch.Tensor):
     # What a new tensor owning its data starts with (instances set their own when they change).
     _pending: Any = None
     _host: Any = None
+    _host_copy: Any = None
     _made: Any = None
     _root = None
     _chain = ()

@@ -98,6 +98,26 @@ def test_loss_inside_the_model_runs_forward_and_backward_as_one_program(captured
     assert program.speculate is None
 
 
+def test_the_loss_of_a_fused_run_reads_from_its_copy_in_host_memory(captured):
+    """A fused run's program also writes the loss into host memory (runtime.capture `fused`),
+    and `.item()` reads that copy instead of copying from the device. Written in place after
+    (the second `mul_` takes the fast path, whose write is deferred: runtime/deferred.py), the
+    loss reads its new value, as in torch."""
+    torch.manual_seed(0)
+    reference, model = _pair(WithLoss())
+    for step in range(5):
+        x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+        _, expected = reference(x, y)
+        _, loss = model(x.cuda(), y.cuda())
+        loss.backward(), expected.backward()
+        if step >= 2:  # fused runs
+            assert loss._host_copy is not None and loss._host_copy[0].sharding.memory_kind == "pinned_host"
+        if step >= 3:
+            loss.mul_(3), expected.mul_(3)
+        assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+        assert float(loss.detach()) == pytest.approx(expected.item(), rel=1e-6)
+
+
 def test_fused_backward_of_the_implicit_ones_and_of_other_gradients(captured):
     """`loss.backward()` hands the fused gradients on as they are; an explicit gradient, or the
     implicit one edited in place by a hook, scales them. (The second hooked step's `mul_` takes
