@@ -605,6 +605,23 @@ def test_hooks_added_and_removed_after_capture_are_seen(captured):
     assert capture.summary()["hooked_modules"] == {"MLP": 2, "Linear": 2}
 
 
+def test_functional_call_of_a_captured_module_uses_the_given_parameters(captured):
+    """torch.func.functional_call swaps the given tensors into the module's dicts for one call and
+    back after it (no setattr): between calls of the captured module, the call with other
+    parameters computes with them and the next plain call with the module's own, as in torch."""
+    torch.manual_seed(0)
+    reference, model = _pair(MLP())
+    reference.eval(), model.eval()
+    others = {name: torch.randn_like(value) for name, value in reference.named_parameters()}
+    for step, x in enumerate(torch.randn(5, 4, 6)):
+        if step in (2, 3):
+            expected = torch.func.functional_call(reference, others, (x,))
+            actual = torch.func.functional_call(model, {k: v.cuda() for k, v in others.items()}, (x.cuda(),))
+        else:
+            expected, actual = reference(x), model(x.cuda())
+        torch.testing.assert_close(actual.cpu(), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_buffer_swapped_in_its_dict_is_seen(captured):
     """A buffer replaced in the module's `_buffers` dict (no setattr, as parameter-swapping
     libraries do) between two calls of a compiled region: the next call reads the new one."""
