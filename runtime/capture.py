@@ -1285,7 +1285,6 @@ def _host_space():
     return space.Host if space is not None and "pinned_host" in kinds else None
 
 
-
 # torch's own apply for _RegionFunction, without Function.apply's Python (up to torch 2.13), which
 # maps functorch's unwrapping of dead wrappers over every argument: a region's arguments are
 # BridgeTensors (Region.__call__ takes no others), never functorch's wrappers, and over GPT-2's
