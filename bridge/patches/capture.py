@@ -81,8 +81,9 @@ def _same(items, others):
 def _watching(base):
     """`base` (dict, OrderedDict) whose changes count in `_edits`: a module's containers once a
     walk has read them (_watch), so that the next call knows the walk still holds from one
-    counter instead of reading every module of the subtree again (about 0.2 ms of host time a
-    step for nanoGPT's 164 modules, up to 1 ms with the caches cold, while the GPU waits). A
+    counter instead of reading every module of the subtree again (for nanoGPT's 164 modules, 0.4
+    of the 1.2 ms of host time an H200 spent between a step's `loss.item()` and the next program's
+    call, while the GPU waited; 0.08 ms now). A
     container dropped (a module given a new dict, or freed) counts too. It pickles and copies
     as `base`, so that nothing the user saves depends on the bridge."""
     edits = _edits  # (a closure: __del__ may run after the module's globals are cleared)
