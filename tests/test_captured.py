@@ -384,23 +384,34 @@ def test_a_host_value_new_on_every_call_breaks_the_region(captured):
 def test_transformer_encoder_with_a_mask_is_captured(captured, causal):
     """torch's TransformerEncoder asks whether its mask is the causal one (a host bool of a
     traced comparison); in a trace the mask is applied as given: no break, torch's outputs and
-    gradients."""
+    gradients (outside the tolerance, at least as close to float64 as torch's: a GPU's float32
+    rounding differs from torch's CPU kernels)."""
     torch.manual_seed(0)
     layer = torch.nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
     reference, model = _pair(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False))
+    truth = copy.deepcopy(reference).double()
     if causal:
         mask = torch.nn.Transformer.generate_square_subsequent_mask(5)
     else:
         mask = torch.randn(5, 5)
+
+    def close(actual, expected, exact, **tolerance):
+        try:
+            torch.testing.assert_close(actual, expected, **tolerance)
+        except AssertionError:
+            assert judge_against_float64(actual, expected, exact)[0] == "precise"
+
     for step in range(3):
         x = torch.randn(2, 5, 16)
         out_ref = reference(x, mask=mask)
         out = model(x.cuda(), mask=mask.cuda())
-        torch.testing.assert_close(out.cpu(), out_ref, rtol=1e-5, atol=1e-5)
+        out_truth = truth(x.double(), mask=mask.double())
+        close(out.cpu(), out_ref, out_truth, rtol=1e-5, atol=1e-5)
         out_ref.square().sum().backward()
         out.square().sum().backward()
-    for p_ref, p in zip(reference.parameters(), model.parameters()):
-        torch.testing.assert_close(p.grad.cpu(), p_ref.grad, rtol=1e-4, atol=1e-5)
+        out_truth.square().sum().backward()
+    for p_ref, p, p_truth in zip(reference.parameters(), model.parameters(), truth.parameters()):
+        close(p.grad.cpu(), p_ref.grad, p_truth.grad, rtol=1e-4, atol=1e-5)
     assert not capture.breaks, capture.breaks
     assert _regions("TransformerEncoder")
 
