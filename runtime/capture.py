@@ -1392,9 +1392,9 @@ def mark_ones(tensor):
 
 
 def _is_ones(tensor):
-    # Still as made: an in-place write (a hook editing the gradient) bumps the generation, or,
-    # recorded to run with later updates (runtime/deferred.py), is the tensor's pending work.
-    if not isinstance(tensor, BridgeTensor) or tensor._chain or tensor._pending is not None:
+    # Still as made: an in-place write (a hook editing the gradient) bumps the generation (a
+    # deferred one too, when recorded: runtime/deferred.py).
+    if not isinstance(tensor, BridgeTensor) or tensor._chain:
         return False
     return getattr(tensor, "_ones_at", None) == tensor._generation
 

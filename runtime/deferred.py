@@ -128,6 +128,9 @@ def record(program, target, tensors):
     batch.steps.append((program, len(floats), tuple(sources)))
     batch.targets.append(root)
     root._pending = batch
+    # Written now, as far as anything that compares generations knows (a host copy of the value,
+    # the implicit gradient's "still ones", a view's cached value); the value follows when read.
+    root._generation += 1
 
 
 def flush():

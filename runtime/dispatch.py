@@ -1035,7 +1035,7 @@ def _item_plan(func, mapping):
         tensor = args[0]
         if type(tensor) is BridgeTensor and not kwargs and tensor.dtype not in _HOST_DTYPES and not settings.tracing and tensor.numel() == 1:
             copy = tensor._host_copy
-            if copy is not None and copy[1] == tensor._generation and tensor._pending is None:
+            if copy is not None and copy[1] == tensor._generation:
                 return item(copy[0])  # its program's copy in host memory (runtime.capture's fused runs)
             return item(read_value(tensor))
         return plan(args, kwargs)
