@@ -475,6 +475,7 @@ class Program:
     owner_views: bool = False  # an owner is a view into its root (its gradient is cut from the root's)
     packs: tuple = ()  # _Pack per flat root whose members are roots here (runtime/flat.py)
     packed: frozenset = frozenset()  # the positions in roots of those members
+    joinable: dict = dataclasses.field(default_factory=dict)  # fused output -> _joinable's answer
 
     # What the trace learned, read through the record (Traced).
     out_spec = property(lambda self: self.traced.out_spec)
@@ -857,7 +858,9 @@ def _gradients_out(program, given, values, index, absent=frozenset()):
     (`gradient_only_where`), a tensor for the others."""
     reached = frozenset().union(*(program.reach[position] for position in given)) if program.reach else None
     return [
-        BridgeTensor(value, index) if (reached is None or k in reached) and k not in absent else None
+        (value if type(value) is BridgeTensor else BridgeTensor(value, index))
+        if (reached is None or k in reached) and k not in absent
+        else None
         for k, value in enumerate(values)
     ]
 
@@ -891,6 +894,54 @@ def _owner_gradients(program, values):
         for step in program.owners[position]._chain:
             values[k] = step(values[k])
     return values
+
+
+def _joinable(program, position):
+    """The packs whose members' gradients a fused run of output `position` returns joined, in
+    one flat array laid out as their root (runtime/flat.py): packs of every member of their
+    root, each differentiated and reached by that output. Per such pack, the members' places
+    among the differentiated values, in the root's order."""
+    found = program.joinable.get(position)
+    if found is None:
+        places = {root: k for k, root in enumerate(program.diff_roots)}
+        reached = program.reach[position] if program.reach else None
+        found = []
+        for pack in program.packs:
+            members = [places.get(root) for root in pack.order]
+            if members and None not in members and (reached is None or reached.issuperset(members)):
+                found.append(tuple(members))
+        found = program.joinable[position] = tuple(found)
+    return found
+
+
+def _joined(program, position, d_roots):
+    """Inside a fused program: each joinable pack's gradients joined into one flat array (the
+    update of the parameters' flat root then takes one array for them, not one per parameter);
+    their places in `d_roots` become None."""
+    joined = []
+    for members in _joinable(program, position):
+        joined.append(flat.join([d_roots[k] for k in members]))
+        for k in members:
+            d_roots[k] = None
+    return joined
+
+
+def _separate_gradients(program, joined, values, absent):
+    """After a fused run: the joined gradients (see _joined) into `values`, each pack's as the
+    members of a new flat root where every owner's `.grad` is None (a step's first backward;
+    autograd then sets each `.grad` to an alias of its member), else cut into arrays of their
+    own (an accumulation into existing gradients, a hook run after accumulation: DDP's, FSDP's)."""
+    for members, value in zip(_joinable(program, program.speculate), joined):
+        owners = [program.owners[program.diff_roots[k]] for k in members]
+        with torch._C.DisableTorchFunctionSubclass():
+            fresh = all(owner.grad is None and owner._post_accumulate_grad_hooks is None for owner in owners)
+        if fresh and absent.isdisjoint(members):
+            pieces = flat.gradient_members(value, owners)
+        else:
+            flat.release_gradients(owners)  # (accumulated into one by one: see flat.gradient_members)
+            pieces = flat.split_jit(value, tuple(tuple(owner.shape) for owner in owners))
+        for k, piece in zip(members, pieces):
+            values[k] = piece
 
 
 def _uses(jaxpr, primitive):
@@ -964,7 +1015,8 @@ def _build(program, options):
         (_, (floats, aux)), (d_roots, d_inputs) = jax.value_and_grad(scalar, argnums=(0, 1), has_aux=True)(
             diff_roots, diff_inputs
         )
-        gradients = (_owner_gradients(program, d_roots), d_inputs)
+        d_roots = _owner_gradients(program, d_roots)
+        gradients = (d_roots, d_inputs, _joined(program, position, d_roots))
         # The scalar is a training step's loss, which scripts read with `.item()` after the
         # step: a copy of it in the host's memory, written by this program, reads in about 40 us
         # once the program is done; a copy from the device took 0.4-0.6 ms after it (one H200),
@@ -1360,12 +1412,15 @@ def _region_backward(ctx, primals, grads):
         # needs no scaling program (one kernel per parameter, launched from the host).
         grad = grads[program.speculate]
         if _is_ones(grad):
-            d_roots, d_inputs = ctx.gradients
+            d_roots, d_inputs, joined = ctx.gradients
         else:
             shape, dtype = ctx.float_avals[program.speculate]
-            d_roots, d_inputs = _scale(ctx.gradients, read_value(_gradient(grad, shape, dtype, index)))
+            d_roots, d_inputs, joined = _scale(ctx.gradients, read_value(_gradient(grad, shape, dtype, index)))
         values = _torch_convention(list(d_roots) + list(d_inputs))
-        return (None, None, *_gradients_out(program, given, values, index, _absent(program, ctx.present)))
+        absent = _absent(program, ctx.present)
+        if joined:
+            _separate_gradients(program, _torch_convention(joined), values, absent)
+        return (None, None, *_gradients_out(program, given, values, index, absent))
     grads = [_gradient(grad, shape, dtype, index) for grad, (shape, dtype) in zip(grads, ctx.float_avals)]
     if torch.is_grad_enabled():
         # create_graph=True: the gradients need a graph of their own (double backward).

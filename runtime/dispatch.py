@@ -311,8 +311,17 @@ def _alias_plan(args, kwargs):
     """detach/alias: a new tensor sharing the value and view chain, with no JAX call (autograd
     detaches every gradient it accumulates, so this is on the path of each training step)."""
     base = args[0]
+    root = root_of(base)
+    if base._chain and base._seen != root._generation and "_members" in root.__dict__ and root._pending is None:
+        # A member of a flat root not read since the root changed (runtime/flat.py: the
+        # gradients of a fused run, which autograd detaches into `.grad`): the alias reads its
+        # value when it is first read, as the member would, instead of now.
+        out = BridgeTensor(jax.ShapeDtypeStruct(base._value.shape, base._value.dtype), base._index)
+        _make_view(out, root, base._chain)
+        out._seen = -1
+        return out
     out = BridgeTensor(read_value(base), base._index)
-    _make_view(out, root_of(base), base._chain)
+    _make_view(out, root, base._chain)
     return out
 
 

@@ -22,11 +22,13 @@ as any view is.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import math
 import operator
 import sys
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +63,7 @@ def _write_span_into(flat, value, start):
 
 _write_span = jax.jit(_write_span_into)
 _write_span_donated = jax.jit(_write_span_into, donate_argnums=0)
-_split_jit = jax.jit(split, static_argnums=1)
+_split_jit = split_jit = jax.jit(split, static_argnums=1)
 
 
 class Members:
@@ -70,12 +72,13 @@ class Members:
     members are known by identity only (held, the root and they would keep each other alive; held
     weakly, torch.utils.swap_tensors, which Module.to uses, refuses to swap them)."""
 
-    __slots__ = ("spans", "shapes", "ids", "index", "by_chain", "span_index", "pieces", "generation")
+    __slots__ = ("spans", "shapes", "ids", "chains", "index", "by_chain", "span_index", "pieces", "generation")
 
     def __init__(self, tensors, spans, chains):
         self.spans = spans
         self.shapes = tuple(shape for _, _, shape in spans)
         self.ids = tuple(map(id, tensors))
+        self.chains = tuple(chains)
         self.index = {key: position for position, key in enumerate(self.ids)}
         self.by_chain = dict(zip(chains, spans))  # a member's chain -> its span (an alias has the same chain)
         self.span_index = {span: position for position, span in enumerate(spans)}
@@ -87,6 +90,15 @@ class Members:
         position = self.index.get(id(tensor))
         if position is None or self.by_chain.get(tensor._chain) != self.spans[position]:
             return None  # (another tensor where a member was: ids are reused)
+        return position
+
+    def place(self, tensor):
+        """The tensor's place among the members, where it is one or an alias of one (the same
+        span, by its chain: autograd's detach of a member, which `.grad` holds), else None."""
+        position = self.position(tensor)
+        if position is None:
+            span = self.by_chain.get(tensor._chain)
+            position = None if span is None else self.span_index[span]
         return position
 
     def piece(self, root, value, position):
@@ -180,19 +192,39 @@ def _gathered(tensors, values):
     return root
 
 
-def holding(tensors):
-    """The flat root whose members are exactly `tensors`, in order, or None."""
+def holding(tensors, aliases=False):
+    """The flat root whose members are exactly `tensors`, in order, or None. `aliases`: or
+    aliases of its members, in order (a parameter's `.grad`, autograd's detach of a member)."""
     root = tensors[0]._root
     if root is None:
         return None
     members = root.__dict__.get("_members")
-    if members is None or members.ids != tuple(map(id, tensors)):
+    if members is None or (members.ids != tuple(map(id, tensors)) and not (aliases and members.chains == tuple(map(_CHAIN, tensors)))):
         return None
     # (C loops: an optimizer step asks this of its parameters and each state list, 148 tensors each)
     return root if all(map(operator.is_, map(_ROOT, tensors), itertools.repeat(root))) else None
 
 
+def joined_roots(tensors):
+    """The flat roots whose members (or aliases of them: `.grad`s) `tensors` are, each member of
+    each root once, in any order; else None."""
+    found = {}
+    for tensor in tensors:
+        root = tensor._root
+        members = None if root is None else root.__dict__.get("_members")
+        position = None if members is None else members.place(tensor)
+        if position is None:
+            return None
+        found.setdefault(id(root), (root, members, set()))[2].add(position)
+    if sum(len(places) for _, _, places in found.values()) != len(tensors):
+        return None  # (a member twice)
+    if any(len(places) != len(members.spans) for _, members, places in found.values()):
+        return None
+    return [root for root, _, _ in found.values()]
+
+
 _ROOT = operator.attrgetter("_root")
+_CHAIN = operator.attrgetter("_chain")
 
 
 def layout(tensors):
@@ -275,13 +307,55 @@ def _viewed_by_others(params, roots):
     return False
 
 
+def gradient_members(value, owners):
+    """The gradients of `owners` (parameters that are the members of one flat root, in its
+    order) as the members of a new flat root holding `value`, their gradients joined (a fused
+    run's, runtime/capture.py): an update of the parameters' whole root then takes one array for
+    them. The first write into one of them (an accumulation, `zero_()`, GradScaler's unscale)
+    makes each owner's `.grad` a root of its own again (`release`), so that it and the writes
+    after it take the way of any gradient instead of a write into the flat array each."""
+    members = flat_members(value, owners)
+    root = members[0]._root
+    root._on_member_write = functools.partial(_release_gradients, [weakref.ref(owner) for owner in owners], weakref.ref(root))
+    return members
+
+
+def release_gradients(owners):
+    """Each owner's `.grad` that is a member of a flat root of gradients made a root of its own
+    again, as the first write into one does (gradient_members)."""
+    for owner in owners:
+        grad = owner.grad
+        root = None if grad is None else grad._root
+        release = None if root is None else root.__dict__.get("_on_member_write")
+        if release is not None:
+            release()
+
+
+def _release_gradients(owners, reference):
+    root = reference()
+    root.__dict__.pop("_on_member_write", None)
+    grads = []
+    for reference in owners:
+        owner = reference()
+        grad = None if owner is None else owner.grad
+        if grad is not None and grad._root is root:
+            grads.append(grad)
+    # Held by the gradients, the caller's name, this frame's and getrefcount's argument: nothing
+    # else views the root (a view of a `.grad`, a script's alias). Where something does, the
+    # gradients stay in the root and each write goes into its span, so that the view sees it,
+    # as torch's shared storage would show it.
+    if sys.getrefcount(root) <= len(grads) + 3:
+        release(grads)
+
+
 def release(tensors):
-    """Each member among `tensors` made a root of its own again, with its current value (one
-    program cuts them all): for an update that takes its parameters one by one, which would
-    otherwise write each into its flat root's span."""
+    """Each member among `tensors` (or alias of one) made a root of its own again, with its
+    current value (one program cuts them all): for an update that takes its parameters one by
+    one, which would otherwise write each into its flat root's span."""
     for tensor in tensors:
         root = tensor._root
-        if root is not None and is_member(tensor):
+        members = None if root is None else members_of(root)
+        if members is not None and members.place(tensor) is not None:
             value = read_value(tensor)
             tensor._root, tensor._chain, tensor._value = None, (), value
             tensor._seen = 0

@@ -548,9 +548,10 @@ def read_value(tensor: BridgeTensor) -> jax.Array:
         return value
     value = read_value(root)
     members = None if settings.tracing else root.__dict__.get("_members")
-    position = None if members is None else members.position(tensor)
+    position = None if members is None else members.place(tensor)
     if position is not None:
-        # A member of a flat root (runtime/flat.py): every member is cut from it in one program,
+        # A member of a flat root (runtime/flat.py), or an alias of one (a gradient's `.grad`):
+        # every member is cut from it in one program,
         # and kept there only (kept here too, it would outlive the root's next value).
         return members.piece(root, value, position)
     value = _view_value(tensor, root, value)
@@ -645,6 +646,12 @@ def write_value(tensor: BridgeTensor, value: jax.Array) -> None:
     if tensor._chain:
         from .views import scatter_into_root
 
+        release = None if settings.tracing else root.__dict__.get("_on_member_write")
+        if release is not None:
+            release()  # gradients joined in one flat root go back to arrays of their own (runtime/flat.py)
+            if tensor._root is None:
+                write_value(tensor, value)
+                return
         members = None if settings.tracing else root.__dict__.get("_members")
         # A member's span of a flat root (runtime/flat.py) is written in place where it can be
         # (settled above: no deferred work waits on the root).

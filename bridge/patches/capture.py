@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from bridge import whole_module
-from bridge.runtime import capture, dispatch, optimizers
+from bridge.runtime import capture, dispatch, flat, optimizers
 from bridge.runtime.config import settings
 from bridge.runtime.tensor import BridgeTensor, read_value, read_values, root_of
 
@@ -404,6 +404,11 @@ def clip_grad_norm(wrapped, instance, args, kwargs):
     if a["error_if_nonfinite"] or not grads or not all(isinstance(g, BridgeTensor) for g in grads):
         return wrapped(parameters, *list(a.values())[1:])
     max_norm, norm_type, foreach = float(a["max_norm"]), float(a["norm_type"]), a["foreach"]
+    joined = flat.joined_roots(grads)
+    if joined is not None:
+        # A fused run's gradients, joined in one flat array per parameter group (runtime/flat.py):
+        # the clip takes each array as one gradient (its norm is the norm of the gradients' norms).
+        grads = joined
     with torch.no_grad():
         if not _can_wait(grads):
             return _clip_region(grads, max_norm, norm_type, foreach)

@@ -182,6 +182,18 @@ class _GroupUpdate:
         self.flat_root = root
         return [read_value(root)], {"flat_shapes": shapes, "flat_updated": updated}
 
+    def _gradient_arguments(self, grads, layout):
+        """The update's gradient values and clip arguments (_clip_arguments). Where the update
+        takes the parameters' flat root whole (`layout` without `flat_updated`) and the gradients
+        are the members of a flat root laid out as it (a fused run's gradients: runtime/capture.py,
+        `_joined`), the root's one array in a list: the update joins its gradients, and one array
+        joins as itself."""
+        if layout and layout["flat_updated"] is None and not self.separate:
+            root = flat.holding(grads, aliases=True)
+            if root is not None and flat.members_of(root).shapes == layout["flat_shapes"]:
+                return _clip_arguments([root])  # (a clip waiting for the step took the root as one gradient)
+        return _clip_arguments(grads)
+
     def _submit(self, arguments, statics, finish, now=False):
         values = arguments[0]
         holders = self.params if self.flat_root is None else [self.flat_root]
@@ -266,8 +278,8 @@ class _AdamUpdate(_GroupUpdate):
             # The moments as flat arrays: their tensors become views into them (optimizers.flat_state).
             holders = [optimizers.flat_state(tensors[kind]) for kind in kinds]
             states = [read_value(root) for root in holders]
-        clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
         values, layout = self._param_values()
+        clip, grad_values, clip_values, clip_statics = self._gradient_arguments(grads, layout if uniform else None)
 
         def finish(result):
             new_params, *new_states, clip_result = result
@@ -344,8 +356,8 @@ class _SGDUpdate(_GroupUpdate):
         else:
             held = optimizers.flat_state(self.buffers)
             state = read_value(held)
-        clip, grad_values, clip_values, clip_statics = _clip_arguments(grads)
         values, layout = self._param_values()
+        clip, grad_values, clip_values, clip_statics = self._gradient_arguments(grads, layout)
 
         def finish(result):
             new_params, new_state, clip_result = result
