@@ -1,10 +1,11 @@
 """Every torch.optim optimizer's step on GPT-2 small's parameters, in each implementation torch
 offers, as torch runs it and as the bridge runs it (captured mode), one process each, in one run.
 
-    python benchmarks/optimizer_steps.py [--tiny] [--steps 20] [--only adam,sgd] [--eager] [--out DIR]
+    python benchmarks/optimizer_steps.py [--tiny] [--steps 20] [--only adam,sgd] [--eager] [--backward] [--out DIR]
 
 The parameters are GPT-2 small's 148 (12 layers x 768, vocab 50304; float32, 124M values) with
-fixed gradients; each case builds its optimizer, takes 3 steps (the first makes the state; the
+fixed gradients (with --backward, made by a backward before each step, untimed, as training
+makes them); each case builds its optimizer, takes 3 steps (the first makes the state; the
 bridge compiles the step's program at the second), then times `--steps` steps, each followed by
 a device synchronization (`torch.cuda.synchronize()`, which the bridge maps onto JAX), and
 reports the median; then `--steps` steps back to back with one synchronization ("pipelined").
@@ -75,6 +76,25 @@ def _parameters(tiny, device):
     return params
 
 
+class _Squares:
+    """--backward: a module over the parameters whose loss, 1e-3 * sum(p**2) / 2, gives each
+    the gradient 1e-3 * p, made by a backward each step as training makes them (under the
+    bridge a captured region, whose fused run returns each group's gradients joined)."""
+
+    def __new__(cls, params):
+        import torch
+
+        class Squares(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.params = torch.nn.ParameterList(params)
+
+            def forward(self, scale):  # (a module call is captured when it takes a tensor)
+                return sum(p.square().sum() for p in self.params) * scale
+
+        return Squares()
+
+
 def _measure(options):
     """One process: every case under one runtime; prints one JSON line per case."""
     import torch
@@ -87,6 +107,8 @@ def _measure(options):
         bridge.activate(mode="eager" if options.runtime == "bridge-eager" else "captured")
     device = "cuda" if bridged or torch.cuda.is_available() else "cpu"
     params = _parameters(options.tiny, device)
+    squares = _Squares(params) if options.backward else None
+    scale = torch.tensor(5e-4, device=device)
     only = set(options.only.split(",")) if options.only else None
     for name, kwargs, implementations in OPTIMIZERS:
         if only and name.lower() not in only:
@@ -109,6 +131,9 @@ def _measure(options):
             for step in range(2 + options.steps):
                 if profile is not None and step == 2:
                     profile.enable()
+                if squares is not None:
+                    optimizer.zero_grad(set_to_none=True)
+                    squares(scale).backward()
                 before = sum(capture.fused_steps.values()) if bridged else 0
                 torch.cuda.synchronize() if device == "cuda" else None
                 start = time.perf_counter()
@@ -187,6 +212,7 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps of each case (printed with the logs; PROFILE_SORT and PROFILE_ROWS set its order and rows)")
     parser.add_argument("--eager", action="store_true", help="also the bridge's eager mode (each torch op a call; a table of its own)")
     parser.add_argument("--schedule", action="store_true", help="a cosine learning-rate schedule stepped after each step")
+    parser.add_argument("--backward", action="store_true", help="gradients made by a backward before each timed step (untimed), as training makes them, instead of fixed ones")
     parser.add_argument("--runtime", choices=["torch", "bridge", "bridge-eager"], help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.runtime:
@@ -202,6 +228,7 @@ def main(argv=None):
         command += ["--only", options.only] if options.only else []
         command += ["--profile"] if options.profile else []
         command += ["--schedule"] if options.schedule else []
+        command += ["--backward"] if options.backward else []
         done = subprocess.run(command, env=env, capture_output=True, text=True)
         output = done.stdout + done.stderr
         logs[runtime] = output[-3000:]
@@ -258,7 +285,7 @@ def main(argv=None):
         if options.eager else ""
     )
     versions = machine.versions()
-    command = "python benchmarks/optimizer_steps.py" + (" --tiny" if options.tiny else "") + (f" --only {options.only}" if options.only else "") + (" --eager" if options.eager else "") + (" --schedule" if options.schedule else "")
+    command = "python benchmarks/optimizer_steps.py" + (" --tiny" if options.tiny else "") + (f" --only {options.only}" if options.only else "") + (" --eager" if options.eager else "") + (" --schedule" if options.schedule else "") + (" --backward" if options.backward else "")
     text = (
         f"# Optimizer steps: torch and the bridge on GPT-2 {'small (width 64)' if options.tiny else 'small'}'s parameters\n\n"
         f"Command: `{command}`; generated {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}.\n\n"

@@ -316,7 +316,8 @@ def _alias_plan(args, kwargs):
         # A member of a flat root not read since the root changed (runtime/flat.py: the
         # gradients of a fused run, which autograd detaches into `.grad`): the alias reads its
         # value when it is first read, as the member would, instead of now.
-        out = BridgeTensor(jax.ShapeDtypeStruct(base._value.shape, base._value.dtype), base._index)
+        value = base._value
+        out = BridgeTensor(value if type(value) is jax.ShapeDtypeStruct else jax.ShapeDtypeStruct(value.shape, value.dtype), base._index)
         _make_view(out, root, base._chain)
         out._seen = -1
         return out

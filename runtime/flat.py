@@ -74,14 +74,10 @@ class Members:
 
     __slots__ = ("spans", "shapes", "ids", "chains", "index", "by_chain", "span_index", "pieces", "generation")
 
-    def __init__(self, tensors, spans, chains):
-        self.spans = spans
-        self.shapes = tuple(shape for _, _, shape in spans)
+    def __init__(self, tensors, layout):
+        self.spans, self.shapes, self.chains, self.by_chain, self.span_index, _ = layout  # (shared, read only)
         self.ids = tuple(map(id, tensors))
-        self.chains = tuple(chains)
         self.index = {key: position for position, key in enumerate(self.ids)}
-        self.by_chain = dict(zip(chains, spans))  # a member's chain -> its span (an alias has the same chain)
-        self.span_index = {span: position for position, span in enumerate(spans)}
         self.pieces = None  # every member's value, cut from the root at `generation`
         self.generation = -1
 
@@ -151,27 +147,38 @@ def is_member(tensor):
     return members is not None and members.position(tensor) is not None
 
 
+@functools.lru_cache(maxsize=64)
+def _layout(shapes, dtype):
+    """Members of these shapes, one after another, in a flat root of `dtype`: (spans (start,
+    stop, shape), shapes, view chains, chain -> span, span -> position, placeholder values).
+    Shared by the roots of one layout (each step's gradients of a parameter group make one)."""
+    slice_mapping, view_mapping = MAPPINGS[aten.slice.Tensor], MAPPINGS[aten.view.default]
+    start, spans, chains = 0, [], []
+    for shape in shapes:
+        stop = start + math.prod(shape)
+        chains.append((
+            ViewStep(slice_mapping, (0, start, stop, 1), {}, None),
+            ViewStep(view_mapping, (shape,), {}, None),
+        ))
+        spans.append((start, stop, shape))
+        start = stop
+    spans, chains = tuple(spans), tuple(chains)
+    by_chain = dict(zip(chains, spans))  # a member's chain -> its span (an alias has the same chain)
+    span_index = {span: position for position, span in enumerate(spans)}
+    return spans, shapes, chains, by_chain, span_index, tuple(jax.ShapeDtypeStruct(shape, dtype) for shape in shapes)
+
+
 def make_members(root, tensors, shapes):
     """Make each tensor a view of its span of the flat root, one after another."""
-    slice_mapping, view_mapping = MAPPINGS[aten.slice.Tensor], MAPPINGS[aten.view.default]
-    dtype = root._value.dtype
-    start, spans, chains = 0, [], []
-    for tensor, shape in zip(tensors, shapes):
-        stop = start + math.prod(shape)
-        chain = (
-            ViewStep(slice_mapping, (0, start, stop, 1), {}, None),
-            ViewStep(view_mapping, (tuple(shape),), {}, None),
-        )
+    layout = _layout(tuple(map(tuple, shapes)), root._value.dtype)
+    for tensor, chain, placeholder in zip(tensors, layout[2], layout[5]):
         tensor._root = root
         tensor._chain = chain
         # Read from the root when first read. The array the tensor held before (the state
         # torch's first step made) must go: kept, it doubled Adam's memory (GPT-2: 0.93 GB).
-        tensor._value = jax.ShapeDtypeStruct(tuple(shape), dtype)
+        tensor._value = placeholder
         tensor._seen = -1
-        spans.append((start, stop, tuple(shape)))
-        chains.append(chain)
-        start = stop
-    root._members = Members(tensors, tuple(spans), chains)
+    root._members = Members(tensors, layout)
 
 
 def flat_state(tensors):
@@ -251,9 +258,11 @@ def layout(tensors):
 def flat_members(flat, like):
     """New tensors, one per tensor of `like`, as views into a new root holding `flat`."""
     root = BridgeTensor(flat, like[0]._index)
+    shapes = [tuple(t.shape) for t in like]
     # Placeholders until first read: make_members marks them stale, so a read takes the root.
-    members = [BridgeTensor(jax.ShapeDtypeStruct(tuple(t.shape), flat.dtype), t._index) for t in like]
-    make_members(root, members, [tuple(t.shape) for t in like])
+    index = like[0]._index
+    members = [BridgeTensor(placeholder, index) for placeholder in _layout(tuple(shapes), flat.dtype)[5]]
+    make_members(root, members, shapes)
     return members
 
 
