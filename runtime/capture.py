@@ -896,11 +896,21 @@ def _owner_gradients(program, values):
     return values
 
 
+# A member's gradient joins its pack's flat array below this many elements. Joining costs the
+# GPU a copy of the gradient inside the fused program (XLA writes a matrix product's result to a
+# buffer of its own); each array that is not joined costs the host a few microseconds in the
+# update's call (about 5 us on one H200's host). GPT-2 small: its 111 members below 2**20
+# (biases, norms' weights, the position table, the attention's output projections: 8M values)
+# join; its 37 large matrices (116M) stay arrays of their own. Joining them too made nanoGPT's
+# step 0.26 ms slower on that GPU, where the update's call waits on the GPU anyway.
+JOIN_BELOW = 1 << 20
+
+
 def _joinable(program, position):
-    """The packs whose members' gradients a fused run of output `position` returns joined, in
-    one flat array laid out as their root (runtime/flat.py): packs of every member of their
-    root, each differentiated and reached by that output. Per such pack, the members' places
-    among the differentiated values, in the root's order."""
+    """The packs whose small members' gradients a fused run of output `position` returns joined,
+    in one flat array (runtime/flat.py): packs of every member of their root, each
+    differentiated and reached by that output. Per such pack: its members' places among the
+    differentiated values, in the root's order, and which of them join (JOIN_BELOW)."""
     found = program.joinable.get(position)
     if found is None:
         places = {root: k for k, root in enumerate(program.diff_roots)}
@@ -908,18 +918,22 @@ def _joinable(program, position):
         found = []
         for pack in program.packs:
             members = [places.get(root) for root in pack.order]
-            if members and None not in members and (reached is None or reached.issuperset(members)):
-                found.append(tuple(members))
+            if not members or None in members or (reached is not None and not reached.issuperset(members)):
+                continue
+            sizes = [stop - start for start, stop, _ in sorted(pack.spans)]
+            joined = tuple(k for k, size in zip(members, sizes) if size < JOIN_BELOW)
+            if len(joined) > 1:
+                found.append((tuple(members), joined))
         found = program.joinable[position] = tuple(found)
     return found
 
 
 def _joined(program, position, d_roots):
-    """Inside a fused program: each joinable pack's gradients joined into one flat array (the
-    update of the parameters' flat root then takes one array for them, not one per parameter);
-    their places in `d_roots` become None."""
+    """Inside a fused program: each joinable pack's small gradients joined into one flat array
+    (the optimizer's update then takes one array for them, not one per parameter); their
+    places in `d_roots` become None."""
     joined = []
-    for members in _joinable(program, position):
+    for _, members in _joinable(program, position):
         joined.append(flat.join([d_roots[k] for k in members]))
         for k in members:
             d_roots[k] = None
@@ -931,14 +945,15 @@ def _separate_gradients(program, joined, values, absent):
     members of a new flat root where every owner's `.grad` is None (a step's first backward;
     autograd then sets each `.grad` to an alias of its member), else cut into arrays of their
     own (an accumulation into existing gradients, a hook run after accumulation: DDP's, FSDP's)."""
-    for members, value in zip(_joinable(program, program.speculate), joined):
+    for (pack, members), value in zip(_joinable(program, program.speculate), joined):
         owners = [program.owners[program.diff_roots[k]] for k in members]
         with torch._C.DisableTorchFunctionSubclass():
-            fresh = all(owner.grad is None and owner._post_accumulate_grad_hooks is None for owner in owners)
+            everyone = [program.owners[program.diff_roots[k]] for k in pack]
+            fresh = all(owner.grad is None and owner._post_accumulate_grad_hooks is None for owner in everyone)
         if fresh and absent.isdisjoint(members):
             pieces = flat.gradient_members(value, owners)
         else:
-            flat.release_gradients(owners)  # (accumulated into one by one: see flat.gradient_members)
+            flat.release_gradients(everyone)  # (accumulated into one by one: see flat.gradient_members)
             pieces = flat.split_jit(value, tuple(tuple(owner.shape) for owner in owners))
         for k, piece in zip(members, pieces):
             values[k] = piece

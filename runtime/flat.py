@@ -213,21 +213,46 @@ def holding(tensors, aliases=False):
 
 
 def joined_roots(tensors):
-    """The flat roots whose members (or aliases of them: `.grad`s) `tensors` are, each member of
-    each root once, in any order; else None."""
-    found = {}
+    """Where some of `tensors` are the members (or aliases of them: `.grad`s) of flat roots, each
+    member of each root once, in any order: those roots, then the roots of the others (arrays of
+    their own, or aliases of whole ones); else None."""
+    found, others = {}, []
     for tensor in tensors:
         root = tensor._root
-        members = None if root is None else root.__dict__.get("_members")
+        if root is None or not tensor._chain:
+            others.append(tensor if root is None else root)
+            continue
+        members = root.__dict__.get("_members")
         position = None if members is None else members.place(tensor)
         if position is None:
             return None
         found.setdefault(id(root), (root, members, set()))[2].add(position)
-    if sum(len(places) for _, _, places in found.values()) != len(tensors):
-        return None  # (a member twice)
+    if not found or sum(len(places) for _, _, places in found.values()) != len(tensors) - len(others):
+        return None  # (none joined, or a member twice)
     if any(len(places) != len(members.spans) for _, members, places in found.values()):
         return None
-    return [root for root, _, _ in found.values()]
+    return [root for root, _, _ in found.values()] + others
+
+
+def gradient_holders(tensors):
+    """Where `tensors` (an update's gradients, in its parameters' order) are, at some places, the
+    members (or aliases of them) of one flat root in its order, and at the others arrays of
+    their own (or aliases of whole ones): ([that root, then the others' roots], the places of
+    its members); else None."""
+    joined, holders, places = None, [], []
+    for position, tensor in enumerate(tensors):
+        root = tensor._root
+        if root is None or not tensor._chain:
+            holders.append(tensor if root is None else root)
+        elif joined is None or root is joined:
+            joined = root
+            places.append(position)
+        else:
+            return None
+    members = None if joined is None else joined.__dict__.get("_members")
+    if members is None or members.chains != tuple(tensors[position]._chain for position in places):
+        return None
+    return [joined] + holders, tuple(places)
 
 
 _ROOT = operator.attrgetter("_root")

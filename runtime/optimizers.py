@@ -246,7 +246,7 @@ def _adam_moments(exp_avg, exp_avg_sq, grad, beta1, beta2, dtype):
 def adam_update(
     params, grads, avgs, sqs, maxes, scalars, clip_grads=None, coefficient=None,
     *, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, separate=False, max_norm=None, norm_type=None,
-    flat_shapes=None, flat_updated=None, uniform=False,
+    flat_shapes=None, flat_updated=None, uniform=False, joined_grads=None,
 ):
     """One Adam/AdamW step; returns the new (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or
     None, (total norm, clip coefficient) or None). The moments are flat arrays (`flat_state`),
@@ -257,13 +257,14 @@ def adam_update(
     `norm_type`. With `flat_shapes`, `params` is a flat root's array (runtime/flat.py) in a list,
     and so are the new parameters; the update is of its members at `flat_updated` (None: all),
     the others' spans pass through. `uniform`: every parameter has taken as many steps (its
-    scalars are the first parameter's)."""
+    scalars are the first parameter's). `joined_grads`: the first gradient is a flat array
+    holding the gradients at these places (`_unjoined`)."""
     if flat_shapes is not None and flat_updated is None and uniform and not separate:
         # The whole root at once, as one parameter with the joined gradients: one elementwise
         # pass over it and the moments, each updated in its donated buffer.
         whole = jnp.stack([scalars[0], scalars[1], scalars[1 + len(flat_shapes)]])
         return _adam_update(
-            params, [join_gradients(grads)], avgs, sqs, maxes, whole, clip_grads, coefficient, beta1=beta1, beta2=beta2,
+            params, [join_gradients(_unjoined(grads, joined_grads, flat_shapes))], avgs, sqs, maxes, whole, clip_grads, coefficient, beta1=beta1, beta2=beta2,
             eps=eps, weight_decay=weight_decay, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize,
             max_norm=max_norm, norm_type=norm_type,
         )
@@ -305,6 +306,18 @@ def adam_update(
 _adam_update = adam_update  # (the name adam_update is the jitted program's below)
 
 
+def _unjoined(grads, joined, shapes):
+    """An update's gradients, one per parameter, where the first of `grads` is a flat array
+    holding those at the places `joined` (a fused run's small gradients joined,
+    runtime/capture.py) and the rest are the others' in order. (Joined again whole right after:
+    XLA reads each element from its source inside the update's elementwise pass.)"""
+    if joined is None:
+        return grads
+    pieces, others = iter(_split(grads[0], [shapes[place] for place in joined])), iter(grads[1:])
+    joined = set(joined)
+    return [next(pieces) if place in joined else next(others) for place in range(len(shapes))]
+
+
 def _from_flat(params, shapes, updated):
     """The parameters an update takes, and the flat root's pieces (None without a flat root)."""
     if shapes is None:
@@ -328,16 +341,16 @@ def _to_flat(new_params, pieces, updated):
 def sgd_update(
     params, grads, buffers, lr, clip_grads=None, coefficient=None,
     *, momentum, dampening, weight_decay, nesterov, maximize, first, separate=False, max_norm=None, norm_type=None,
-    flat_shapes=None, flat_updated=None,
+    flat_shapes=None, flat_updated=None, joined_grads=None,
 ):
     """One SGD step; returns (new params, new momentum buffers or None, (total norm, clip
     coefficient) or None). The buffers are one flat array, or with `separate` a list of arrays,
     one per parameter. `first`: no buffers yet (torch starts them as a copy of the gradient).
-    The clip arguments, `flat_shapes` and `flat_updated` are adam_update's."""
+    The clip arguments, `flat_shapes`, `flat_updated` and `joined_grads` are adam_update's."""
     if flat_shapes is not None and flat_updated is None and not separate:
         # The whole root at once, as one parameter (see adam_update).
         return _sgd_update(
-            params, [_join(grads)], buffers, lr, clip_grads, coefficient, momentum=momentum, dampening=dampening,
+            params, [_join(_unjoined(grads, joined_grads, flat_shapes))], buffers, lr, clip_grads, coefficient, momentum=momentum, dampening=dampening,
             weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, first=first, max_norm=max_norm,
             norm_type=norm_type,
         )
@@ -581,9 +594,9 @@ def _programs(update, static, state):
 
 _RAW.update(adam=(adam_update, (2, 3, 4)), sgd=(sgd_update, (2,)))
 adam_update, adam_update_in_place = _programs(
-    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated", "uniform"), (2, 3, 4)
+    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated", "uniform", "joined_grads"), (2, 3, 4)
 )
 sgd_update, sgd_update_in_place = _programs(
-    sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated"), (2,)
+    sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated", "joined_grads"), (2,)
 )
 _JITTED = {"adam": (adam_update, adam_update_in_place), "sgd": (sgd_update, sgd_update_in_place)}

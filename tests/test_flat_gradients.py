@@ -19,10 +19,11 @@ class Net(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.fc1 = torch.nn.Linear(6, 16)
-        self.fc2 = torch.nn.Linear(16, 3)
+        self.fc2 = torch.nn.Linear(16, 16)
+        self.fc3 = torch.nn.Linear(16, 3)
 
     def forward(self, x):
-        return self.fc2(F.gelu(self.fc1(x))).square().mean()
+        return self.fc3(F.gelu(self.fc2(F.gelu(self.fc1(x))))).square().mean()
 
 
 def _groups(model):
@@ -69,8 +70,12 @@ def _updates_taking(monkeypatch):
     return taken
 
 
+@pytest.mark.parametrize("below", [None, 200], ids=["all-joined", "large-apart"])
 @pytest.mark.parametrize("make", OPTIMIZERS)
-def test_a_fused_runs_gradients_are_one_array_per_group_and_the_update_takes_it(captured, make, monkeypatch):
+def test_a_fused_runs_gradients_are_one_array_per_group_and_the_update_takes_it(captured, make, below, monkeypatch):
+    if below is not None:
+        # fc2.weight (256 values) stays an array of its own; the other gradients join.
+        monkeypatch.setattr(capture, "JOIN_BELOW", below)
     reference, model, opt_ref, opt = _pair(make)
     taken = _updates_taking(monkeypatch)
     data = torch.Generator().manual_seed(1)
@@ -80,15 +85,17 @@ def test_a_fused_runs_gradients_are_one_array_per_group_and_the_update_takes_it(
             optimizer.zero_grad()
             net(given).backward()
         for group in opt.param_groups:
-            grads = [p.grad for p in group["params"]]
-            root = flat.holding(grads, aliases=True)
+            joined = [p for p in group["params"] if p.numel() < (below or capture.JOIN_BELOW)]
+            root = flat.holding([p.grad for p in joined], aliases=True)
             assert root is not None and root is not root_of(group["params"][0])
-            assert flat.members_of(root).shapes == tuple(tuple(p.shape) for p in group["params"])
+            assert flat.members_of(root).shapes == tuple(tuple(p.shape) for p in joined)
+            assert all(not p.grad._chain for p in group["params"] if p.numel() >= (below or capture.JOIN_BELOW))
         _close(model, reference)  # each gradient read from its span
         opt_ref.step()
         opt.step()
     _close(model, reference)
-    assert taken and all(count == 1 for count in taken), taken
+    # One array per group's joined gradients, and one per gradient left apart.
+    assert taken and all(count == (1 if below is None else [2, 1][k % 2]) for k, count in enumerate(taken)), taken
     assert not capture.breaks
 
 
@@ -121,13 +128,16 @@ def test_a_view_of_a_gradient_sees_later_writes(captured):
         net(x.to(device)).backward()
         views.append(net.fc1.weight.grad.view(-1))
         net(y.to(device)).backward()  # accumulates into the viewed gradient
-        net.fc2.bias.grad.mul_(2)
+        net.fc3.bias.grad.mul_(2)
     torch.testing.assert_close(views[1].cpu(), views[0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(views[1].cpu(), model.fc1.weight.grad.view(-1).cpu(), rtol=0, atol=0)
     _close(model, reference)
 
 
-def test_a_clip_of_joined_gradients_is_folded_into_the_step(captured):
+@pytest.mark.parametrize("below", [None, 200], ids=["all-joined", "large-apart"])
+def test_a_clip_of_joined_gradients_is_folded_into_the_step(captured, below, monkeypatch):
+    if below is not None:
+        monkeypatch.setattr(capture, "JOIN_BELOW", below)
     reference, model, opt_ref, opt = _pair(OPTIMIZERS[0].values[0])
     data = torch.Generator().manual_seed(3)
     for _ in range(3):
@@ -148,7 +158,7 @@ def test_hooks_see_torchs_gradients(captured):
     seen = {"cpu": [], "cuda": []}
     for net, device in ((reference, "cpu"), (model, "cuda")):
         net.fc1.weight.register_hook(lambda grad: grad * 3)
-        net.fc2.weight.register_post_accumulate_grad_hook(lambda p, device=device: seen[device].append(p.grad.clone()))
+        net.fc3.weight.register_post_accumulate_grad_hook(lambda p, device=device: seen[device].append(p.grad.clone()))
     x = torch.randn(4, 6)
     for _ in range(2):
         for net, optimizer, device in ((reference, opt_ref, "cpu"), (model, opt, "cuda")):

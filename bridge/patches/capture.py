@@ -406,8 +406,9 @@ def clip_grad_norm(wrapped, instance, args, kwargs):
     max_norm, norm_type, foreach = float(a["max_norm"]), float(a["norm_type"]), a["foreach"]
     joined = flat.joined_roots(grads)
     if joined is not None:
-        # A fused run's gradients, joined in one flat array per parameter group (runtime/flat.py):
-        # the clip takes each array as one gradient (its norm is the norm of the gradients' norms).
+        # A fused run's gradients, joined in one flat array per parameter group (runtime/flat.py)
+        # but for large ones: the clip takes each array as one gradient (its norm is the norm of
+        # the gradients' norms), and the others as they are.
         grads = joined
     with torch.no_grad():
         if not _can_wait(grads):

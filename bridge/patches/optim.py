@@ -184,14 +184,18 @@ class _GroupUpdate:
 
     def _gradient_arguments(self, grads, layout):
         """The update's gradient values and clip arguments (_clip_arguments). Where the update
-        takes the parameters' flat root whole (`layout` without `flat_updated`) and the gradients
-        are the members of a flat root laid out as it (a fused run's gradients: runtime/capture.py,
-        `_joined`), the root's one array in a list: the update joins its gradients, and one array
-        joins as itself."""
+        takes the parameters' flat root whole (`layout` without `flat_updated`) and some of the
+        gradients are the members of a flat root laid out as those parameters (a fused run's
+        small gradients, runtime/capture.py `_joined`): that root's one array, then the others'
+        arrays, and the members' places (`joined_grads`; None where all are members)."""
         if layout and layout["flat_updated"] is None and not self.separate:
-            root = flat.holding(grads, aliases=True)
-            if root is not None and flat.members_of(root).shapes == layout["flat_shapes"]:
-                return _clip_arguments([root])  # (a clip waiting for the step took the root as one gradient)
+            found = flat.gradient_holders(grads)
+            shapes = layout["flat_shapes"]
+            if found is not None and flat.members_of(found[0][0]).shapes == tuple(shapes[place] for place in found[1]):
+                holders, places = found
+                clip, values, clip_values, clip_statics = _clip_arguments(holders)
+                joined = None if len(places) == len(shapes) else places
+                return clip, values, clip_values, dict(clip_statics, joined_grads=joined)
         return _clip_arguments(grads)
 
     def _submit(self, arguments, statics, finish, now=False):
