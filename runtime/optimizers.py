@@ -48,12 +48,14 @@ flat_state, flat_members = flat.flat_state, flat.flat_members
 
 
 def device_step_counts(steps):
-    """Step counts held on the device (fused=True, capturable=True: 0-dim tensors), advanced by
-    one as torch's step does; returns the new counts as Python floats.
+    """Step counts held on the device (fused=True, capturable=True: 0-dim tensors), as torch's
+    step advances them by one: (their root, the new counts as Python floats, and `advanced(new
+    counts)`, which writes them once the update program has made them from the root's array,
+    which it takes and returns one higher).
 
     The counts become views into one flat root, which also remembers them on the host: read
     from the device once (the first step, or after anything else wrote them), then kept, so a
-    step needs no device-to-host copy and sends all counts in one transfer."""
+    step needs no device-to-host copy and sends no counts."""
     root = flat_state(steps)
     known = getattr(root, "_host_counts", None)
     if known is not None and known[0] == root._generation:
@@ -61,12 +63,12 @@ def device_step_counts(steps):
     else:
         counts = [float(count) for count in np.asarray(read_value(root))]
     counts = [count + 1 for count in counts]
-    write_value(root, _advance(read_value(root)))
-    root._host_counts = (root._generation, counts)
-    return counts
 
+    def advanced(value):
+        write_value(root, value)
+        root._host_counts = (root._generation, counts)
 
-_advance = jax.jit(lambda counts: counts + 1)  # one dispatch: no host-to-device copy
+    return root, counts, advanced
 
 
 # ---------------------------------------------------------------- clip_grad_norm_ folded into the step
@@ -244,12 +246,13 @@ def _adam_moments(exp_avg, exp_avg_sq, grad, beta1, beta2, dtype):
 
 
 def adam_update(
-    params, grads, avgs, sqs, maxes, scalars, clip_grads=None, coefficient=None,
+    params, grads, avgs, sqs, maxes, scalars, clip_grads=None, coefficient=None, counts=None,
     *, beta1, beta2, eps, weight_decay, decoupled, amsgrad, maximize, separate=False, max_norm=None, norm_type=None,
     flat_shapes=None, flat_updated=None, uniform=False, joined_grads=None,
 ):
     """One Adam/AdamW step; returns the new (params, exp_avgs, exp_avg_sqs, max_exp_avg_sqs or
-    None, (total norm, clip coefficient) or None). The moments are flat arrays (`flat_state`),
+    None, (total norm, clip coefficient) or None, step counts or None). `counts`: step counts
+    held on the device (device_step_counts), returned one higher. The moments are flat arrays (`flat_state`),
     or with `separate` lists of arrays, one per parameter; `scalars` (one transfer from the host)
     holds 1 - lr * weight_decay, then -lr / (1 - beta1**step) per parameter, then
     sqrt(1 - beta2**step) per parameter. A folded clip_grad_norm_ (`PendingClip`) gives
@@ -263,11 +266,12 @@ def adam_update(
         # The whole root at once, as one parameter with the joined gradients: one elementwise
         # pass over it and the moments, each updated in its donated buffer.
         whole = jnp.stack([scalars[0], scalars[1], scalars[1 + len(flat_shapes)]])
-        return _adam_update(
+        *result, _ = _adam_update(
             params, [join_gradients(_unjoined(grads, joined_grads, flat_shapes))], avgs, sqs, maxes, whole, clip_grads, coefficient, beta1=beta1, beta2=beta2,
             eps=eps, weight_decay=weight_decay, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize,
             max_norm=max_norm, norm_type=norm_type,
         )
+        return (*result, _advanced(counts))
     params, pieces = _from_flat(params, flat_shapes, flat_updated)
     grads, clip = _clipped(grads, clip_grads, coefficient, max_norm, norm_type)
     count = len(params)
@@ -300,10 +304,14 @@ def adam_update(
             param = param * decay.astype(dtype)
         denom = jnp.sqrt(second) / bias2_sqrts[i].astype(dtype) + jnp.asarray(eps, dtype)
         new_params.append(param + step_sizes[i].astype(dtype) * (exp_avg / denom))
-    return _to_flat(new_params, pieces, flat_updated), avgs, sqs, (maxes if amsgrad else None), clip
+    return _to_flat(new_params, pieces, flat_updated), avgs, sqs, (maxes if amsgrad else None), clip, _advanced(counts)
 
 
 _adam_update = adam_update  # (the name adam_update is the jitted program's below)
+
+
+def _advanced(counts):
+    return None if counts is None else counts + 1
 
 
 def _unjoined(grads, joined, shapes):
@@ -592,9 +600,9 @@ def _programs(update, static, state):
     return plain, in_place
 
 
-_RAW.update(adam=(adam_update, (2, 3, 4)), sgd=(sgd_update, (2,)))
+_RAW.update(adam=(adam_update, (2, 3, 4, 8)), sgd=(sgd_update, (2,)))
 adam_update, adam_update_in_place = _programs(
-    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated", "uniform", "joined_grads"), (2, 3, 4)
+    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated", "uniform", "joined_grads"), (2, 3, 4, 8)
 )
 sgd_update, sgd_update_in_place = _programs(
     sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated", "joined_grads"), (2,)

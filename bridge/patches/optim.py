@@ -259,11 +259,11 @@ class _AdamUpdate(_GroupUpdate):
         beta1, beta2 = self.statics["beta1"], self.statics["beta2"]
         tensors = self.state
         if self.on_host:
-            counts = self._advance_host_counts(tensors["step"])
+            counts, held_counts, advanced = self._advance_host_counts(tensors["step"]), None, None
         else:
             # Step counts on the device (fused=True, capturable=True), their values kept on
-            # the host too.
-            counts = optimizers.device_step_counts(tensors["step"])
+            # the host too; the update program advances them.
+            held_counts, counts, advanced = optimizers.device_step_counts(tensors["step"])
         # As torch computes them, in Python floats: bias corrections, the step size, its sign;
         # sent to the device as one array. (Every parameter has taken as many steps, usually.)
         count = len(counts)
@@ -286,13 +286,16 @@ class _AdamUpdate(_GroupUpdate):
         clip, grad_values, clip_values, clip_statics = self._gradient_arguments(grads, layout if uniform else None)
 
         def finish(result):
-            new_params, *new_states, clip_result = result
+            new_params, *new_states, clip_result, new_counts = result
             _clip_done(clip, clip_result)
             self._write_params(new_params)
             for held, value in zip(holders, new_states):
                 _write_state(held, value)
+            if advanced is not None:
+                advanced(new_counts)
 
-        arguments = [values, grad_values, *states, *([None] * (3 - len(kinds))), scalars, *clip_values]
+        count_values = None if held_counts is None else read_value(held_counts)
+        arguments = [values, grad_values, *states, *([None] * (3 - len(kinds))), scalars, *clip_values, count_values]
         if layout:
             layout["uniform"] = uniform
         self._submit(arguments, dict(clip_statics, separate=self.separate, **layout, **self.statics), finish)
