@@ -212,7 +212,8 @@ def main(argv=None):
     parser.add_argument("--profile", action="store_true", help="cProfile the timed steps of each case (printed with the logs; PROFILE_SORT and PROFILE_ROWS set its order and rows)")
     parser.add_argument("--eager", action="store_true", help="also the bridge's eager mode (each torch op a call; a table of its own)")
     parser.add_argument("--schedule", action="store_true", help="a cosine learning-rate schedule stepped after each step")
-    parser.add_argument("--backward", action="store_true", help="gradients made by a backward before each timed step (untimed), as training makes them, instead of fixed ones")
+    parser.add_argument("--backward", action="store_true",
+                        help="gradients made by a backward before each timed step (untimed), as training makes them")
     parser.add_argument("--runtime", choices=["torch", "bridge", "bridge-eager"], help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.runtime:

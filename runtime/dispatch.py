@@ -317,7 +317,9 @@ def _alias_plan(args, kwargs):
         # gradients of a fused run, which autograd detaches into `.grad`): the alias reads its
         # value when it is first read, as the member would, instead of now.
         value = base._value
-        out = BridgeTensor(value if type(value) is jax.ShapeDtypeStruct else jax.ShapeDtypeStruct(value.shape, value.dtype), base._index)
+        if type(value) is not jax.ShapeDtypeStruct:
+            value = jax.ShapeDtypeStruct(value.shape, value.dtype)
+        out = BridgeTensor(value, base._index)
         _make_view(out, root, base._chain)
         out._seen = -1
         return out

@@ -70,7 +70,10 @@ class Members:
     """A flat root's members: for each, its span of the root (start, stop, shape), and the
     members' values cut from the root's current value, once one was read (`pieces`). The
     members are known by identity only (held, the root and they would keep each other alive; held
-    weakly, torch.utils.swap_tensors, which Module.to uses, refuses to swap them)."""
+    weakly, torch.utils.swap_tensors, which Module.to uses, refuses to swap them); an alias of
+    one (the same chain into the root: a `.grad`, autograd's detach of a member) reads and
+    writes as the member (`place`). The layout (spans, chains) is shared by roots of the same
+    shapes (_layout)."""
 
     __slots__ = ("spans", "shapes", "ids", "chains", "index", "by_chain", "span_index", "pieces", "generation")
 
@@ -206,7 +209,9 @@ def holding(tensors, aliases=False):
     if root is None:
         return None
     members = root.__dict__.get("_members")
-    if members is None or (members.ids != tuple(map(id, tensors)) and not (aliases and members.chains == tuple(map(_CHAIN, tensors)))):
+    if members is None:
+        return None
+    if members.ids != tuple(map(id, tensors)) and not (aliases and members.chains == tuple(map(_CHAIN, tensors))):
         return None
     # (C loops: an optimizer step asks this of its parameters and each state list, 148 tensors each)
     return root if all(map(operator.is_, map(_ROOT, tensors), itertools.repeat(root))) else None
@@ -350,7 +355,8 @@ def gradient_members(value, owners):
     after it take the way of any gradient instead of a write into the flat array each."""
     members = flat_members(value, owners)
     root = members[0]._root
-    root._on_member_write = functools.partial(_release_gradients, [weakref.ref(owner) for owner in owners], weakref.ref(root))
+    owners = [weakref.ref(owner) for owner in owners]
+    root._on_member_write = functools.partial(_release_gradients, owners, weakref.ref(root))
     return members
 
 

@@ -266,8 +266,9 @@ def adam_update(
         # The whole root at once, as one parameter with the joined gradients: one elementwise
         # pass over it and the moments, each updated in its donated buffer.
         whole = jnp.stack([scalars[0], scalars[1], scalars[1 + len(flat_shapes)]])
+        grads = [join_gradients(_unjoined(grads, joined_grads, flat_shapes))]
         *result, _ = _adam_update(
-            params, [join_gradients(_unjoined(grads, joined_grads, flat_shapes))], avgs, sqs, maxes, whole, clip_grads, coefficient, beta1=beta1, beta2=beta2,
+            params, grads, avgs, sqs, maxes, whole, clip_grads, coefficient, beta1=beta1, beta2=beta2,
             eps=eps, weight_decay=weight_decay, decoupled=decoupled, amsgrad=amsgrad, maximize=maximize,
             max_norm=max_norm, norm_type=norm_type,
         )
@@ -357,8 +358,9 @@ def sgd_update(
     The clip arguments, `flat_shapes`, `flat_updated` and `joined_grads` are adam_update's."""
     if flat_shapes is not None and flat_updated is None and not separate:
         # The whole root at once, as one parameter (see adam_update).
+        grads = [_join(_unjoined(grads, joined_grads, flat_shapes))]
         return _sgd_update(
-            params, [_join(_unjoined(grads, joined_grads, flat_shapes))], buffers, lr, clip_grads, coefficient, momentum=momentum, dampening=dampening,
+            params, grads, buffers, lr, clip_grads, coefficient, momentum=momentum, dampening=dampening,
             weight_decay=weight_decay, nesterov=nesterov, maximize=maximize, first=first, max_norm=max_norm,
             norm_type=norm_type,
         )
@@ -600,11 +602,12 @@ def _programs(update, static, state):
     return plain, in_place
 
 
+_LAYOUT = ("separate", "max_norm", "norm_type", "flat_shapes", "flat_updated", "joined_grads")
 _RAW.update(adam=(adam_update, (2, 3, 4, 8)), sgd=(sgd_update, (2,)))
 adam_update, adam_update_in_place = _programs(
-    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated", "uniform", "joined_grads"), (2, 3, 4, 8)
+    adam_update, ("beta1", "beta2", "eps", "weight_decay", "decoupled", "amsgrad", "maximize", "uniform") + _LAYOUT, (2, 3, 4, 8)
 )
 sgd_update, sgd_update_in_place = _programs(
-    sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first", "separate", "max_norm", "norm_type", "flat_shapes", "flat_updated", "joined_grads"), (2,)
+    sgd_update, ("momentum", "dampening", "weight_decay", "nesterov", "maximize", "first") + _LAYOUT, (2,)
 )
 _JITTED = {"adam": (adam_update, adam_update_in_place), "sgd": (sgd_update, sgd_update_in_place)}
