@@ -202,16 +202,13 @@ def _gathered(tensors, values):
     return root
 
 
-def holding(tensors, aliases=False):
-    """The flat root whose members are exactly `tensors`, in order, or None. `aliases`: or
-    aliases of its members, in order (a parameter's `.grad`, autograd's detach of a member)."""
+def holding(tensors):
+    """The flat root whose members are exactly `tensors`, in order, or None."""
     root = tensors[0]._root
     if root is None:
         return None
     members = root.__dict__.get("_members")
-    if members is None:
-        return None
-    if members.ids != tuple(map(id, tensors)) and not (aliases and members.chains == tuple(map(_CHAIN, tensors))):
+    if members is None or members.ids != tuple(map(id, tensors)):
         return None
     # (C loops: an optimizer step asks this of its parameters and each state list, 148 tensors each)
     return root if all(map(operator.is_, map(_ROOT, tensors), itertools.repeat(root))) else None
@@ -261,7 +258,6 @@ def gradient_holders(tensors):
 
 
 _ROOT = operator.attrgetter("_root")
-_CHAIN = operator.attrgetter("_chain")
 
 
 def layout(tensors):

@@ -85,11 +85,14 @@ def test_a_fused_runs_gradients_are_one_array_per_group_and_the_update_takes_it(
             optimizer.zero_grad()
             net(given).backward()
         for group in opt.param_groups:
-            joined = [p for p in group["params"] if p.numel() < (below or capture.JOIN_BELOW)]
-            root = flat.holding([p.grad for p in joined], aliases=True)
-            assert root is not None and root is not root_of(group["params"][0])
-            assert flat.members_of(root).shapes == tuple(tuple(p.shape) for p in joined)
-            assert all(not p.grad._chain for p in group["params"] if p.numel() >= (below or capture.JOIN_BELOW))
+            params = group["params"]
+            joined = [k for k, p in enumerate(params) if p.numel() < (below or capture.JOIN_BELOW)]
+            found = flat.gradient_holders([p.grad for p in params])
+            assert found is not None and found[1] == tuple(joined)
+            root = found[0][0]
+            assert root is not root_of(params[0])
+            assert flat.members_of(root).shapes == tuple(tuple(params[k].shape) for k in joined)
+            assert all(not p.grad._chain for k, p in enumerate(params) if k not in joined)
         _close(model, reference)  # each gradient read from its span
         opt_ref.step()
         opt.step()
@@ -174,7 +177,9 @@ def test_hooks_see_torchs_gradients(captured):
 def test_saved_gradients_load_in_plain_torch(captured, tmp_path):
     _, model, _, opt = _pair(OPTIMIZERS[0].values[0])
     model(torch.randn(4, 6).cuda()).backward()
-    assert flat.holding([p.grad for p in opt.param_groups[0]["params"]], aliases=True) is not None
+    assert flat.gradient_holders([p.grad for p in opt.param_groups[0]["params"]]) == (
+        [root_of(opt.param_groups[0]["params"][0].grad)], (0, 1, 2)
+    )
     expected = {name: p.grad.cpu().clone() for name, p in model.named_parameters()}
     torch.save({name: p.grad for name, p in model.named_parameters()}, tmp_path / "grads.pt")
     loaded = loaded_in_plain_torch(captured, tmp_path / "grads.pt")
