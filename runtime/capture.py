@@ -787,13 +787,6 @@ def _split(values, positions):
     return [values[i] for i in positions], [value for i, value in enumerate(values) if i not in chosen]
 
 
-def _merge(chosen, rest, positions, count):
-    merged, chosen, rest, wanted = [None] * count, iter(chosen), iter(rest), set(positions)
-    for i in range(count):
-        merged[i] = next(chosen) if i in wanted else next(rest)
-    return merged
-
-
 _last_collection = [0.0]  # seconds the last full collection took
 
 
@@ -991,8 +984,8 @@ def _build(program, options):
     n_inputs = len(program.input_indices)  # the leaves' tensors, then carried objects'
 
     def differentiable(diff_roots, diff_inputs, other_roots, other_inputs, key):
-        root_values = _merge(diff_roots, other_roots, program.diff_roots, n_roots)
-        input_values = _merge(diff_inputs, other_inputs, program.diff_inputs, n_inputs)
+        root_values = flat.merge(diff_roots, other_roots, program.diff_roots, n_roots)
+        input_values = flat.merge(diff_inputs, other_inputs, program.diff_inputs, n_inputs)
         arrays, mutated, written, new_key, guards = body(root_values, input_values, key)
         floats = [array for array, is_float in zip(arrays, program.out_float) if is_float]
         others = [array for array, is_float in zip(arrays, program.out_float) if not is_float]
@@ -1193,7 +1186,7 @@ def _unpacked(program, diff_roots, other_roots):
     """_unpack on root values split into the differentiated ones and the others."""
     if not program.packs:
         return diff_roots, other_roots
-    merged = _merge(diff_roots, other_roots, program.diff_roots, len(program.roots))
+    merged = flat.merge(diff_roots, other_roots, program.diff_roots, len(program.roots))
     return _split(_unpack(program, merged), program.diff_roots)
 
 

@@ -57,6 +57,14 @@ def join(arrays):
 join_jit = jax.jit(join)
 
 
+def merge(chosen, rest, positions, count):
+    """`count` values: those of `chosen` at `positions` (in order), those of `rest` at the others."""
+    merged, chosen, rest, wanted = [None] * count, iter(chosen), iter(rest), set(positions)
+    for i in range(count):
+        merged[i] = next(chosen) if i in wanted else next(rest)
+    return merged
+
+
 def _write_span_into(flat, value, start):
     return jax.lax.dynamic_update_slice(flat, value.reshape(-1).astype(flat.dtype), (start,))
 

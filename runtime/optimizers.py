@@ -322,9 +322,7 @@ def _unjoined(grads, joined, shapes):
     XLA reads each element from its source inside the update's elementwise pass.)"""
     if joined is None:
         return grads
-    pieces, others = iter(_split(grads[0], [shapes[place] for place in joined])), iter(grads[1:])
-    joined = set(joined)
-    return [next(pieces) if place in joined else next(others) for place in range(len(shapes))]
+    return flat.merge(_split(grads[0], [shapes[place] for place in joined]), grads[1:], joined, len(shapes))
 
 
 def _from_flat(params, shapes, updated):
