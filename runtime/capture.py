@@ -581,6 +581,7 @@ def _trace_body(function, program, watched=None):
         previous_trace = _trace
         saved_key = random.swap_key(key)
         try:
+            tensor_module.root_changed()
             for root, _, _ in detached:
                 root._root, root._chain = None, ()
             for root, value in zip(roots, root_values):
@@ -696,6 +697,7 @@ def _trace_body(function, program, watched=None):
             for root, (value, generation) in zip(roots, saved):
                 root._value = value
                 root._generation = max(root._generation, generation) + 1
+            tensor_module.root_changed()
             for root, flat_root, chain in detached:
                 root._root, root._chain, root._seen = flat_root, chain, -1  # read from the flat root again
             random.swap_key(saved_key)

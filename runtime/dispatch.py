@@ -1396,6 +1396,7 @@ def _inplace_view_plan(func, functional):
         if tuple(target.shape) != tuple(value.shape):
             # Torch reads the sizes from the wrapper itself: give it the new ones.
             set_wrapper_layout(target, BridgeTensor(value, target._index))
+        tensor_module.root_changed()
         if is_view and target._root is not None and isinstance(result, BridgeTensor):
             target._root, target._chain = result._root, result._chain
             target._value, target._seen = value, result._seen
@@ -1441,6 +1442,7 @@ def replace_contents(target, value):
         settle(target)
         resized = BridgeTensor(value, target._index)
         set_wrapper_layout(target, resized)
+        tensor_module.root_changed()
         target._root, target._chain, target._value = None, (), value
         target._generation += 1
         return

@@ -33,6 +33,7 @@ import weakref
 import jax
 import jax.numpy as jnp
 
+from . import tensor as tensor_module
 from .registry import MAPPINGS, aten
 from .tensor import BridgeTensor, read_value
 from .views import ViewStep
@@ -182,6 +183,8 @@ def _layout(shapes, dtype):
 def make_members(root, tensors, shapes):
     """Make each tensor a view of its span of the flat root, one after another."""
     layout = _layout(tuple(map(tuple, shapes)), root._value.dtype)
+    if "_members" in root.__dict__ or any(tensor._root is not None for tensor in tensors):
+        tensor_module.root_changed()  # (not for new members of a new root: each backward's gradients)
     for tensor, chain, placeholder in zip(tensors, layout[2], layout[5]):
         tensor._root = root
         tensor._chain = chain
@@ -222,6 +225,31 @@ def holding(tensors):
     return root if all(map(operator.is_, map(_ROOT, tensors), itertools.repeat(root))) else None
 
 
+class Holdings:
+    """Flat roots found holding lists of tensors (by `flat_state`, `layout` and the like),
+    remembered while no tensor's root changed (runtime.tensor.root_changes) and each list has
+    the same first tensor and length: for lists that their owner never changes but whole (an
+    optimizer update's parameters and state lists). Looking again touches each tensor, which
+    for an update's 148 parameters and their state costs more than the update's call."""
+
+    def __init__(self):
+        self.found, self.stamp = {}, None
+
+    def get(self, key, tensors, find):
+        """find(tensors), or what it returned last for `key` where that still holds."""
+        if self.stamp != tensor_module.root_changes:
+            self.found, self.stamp = {}, tensor_module.root_changes
+        known = self.found.get(key)
+        if known is not None and known[0] is tensors[0] and known[1] == len(tensors):
+            return known[2]
+        result = find(tensors)
+        if self.stamp != tensor_module.root_changes:  # (find made a root of them)
+            self.found, self.stamp = {}, tensor_module.root_changes
+        if result is not None:
+            self.found[key] = (tensors[0], len(tensors), result)
+        return result
+
+
 def joined_roots(tensors):
     """Where some of `tensors` are the members (or aliases of them: `.grad`s) of flat roots, each
     member of each root once, in any order: those roots, then the roots of the others (arrays of
@@ -248,24 +276,32 @@ def gradient_holders(tensors):
     """Where `tensors` (an update's gradients, in its parameters' order) are, at some places, the
     members (or aliases of them) of one flat root in its order, and at the others arrays of
     their own (or aliases of whole ones): ([that root, then the others' roots], the places of
-    its members); else None."""
-    joined, holders, places = None, [], []
-    for position, tensor in enumerate(tensors):
-        root = tensor._root
-        if root is None or not tensor._chain:
-            holders.append(tensor if root is None else root)
-        elif joined is None or root is joined:
-            joined = root
-            places.append(position)
-        else:
-            return None
+    its members); else None. (In C loops where it can: an update asks this of GPT-2's 148.)"""
+    roots, chains = list(map(_ROOT, tensors)), list(map(_CHAIN, tensors))
+    joined = next(itertools.compress(roots, chains), None)  # the first root of a tensor with a chain
     members = None if joined is None else joined.__dict__.get("_members")
-    if members is None or members.chains != tuple(tensors[position]._chain for position in places):
+    if members is None:
         return None
-    return [joined] + holders, tuple(places)
+    # Each tensor with a chain is in the joined root, with a member's chain, in the root's order.
+    places = tuple(itertools.compress(range(len(tensors)), map(operator.is_, roots, itertools.repeat(joined))))
+    if len(places) != len(tensors) - chains.count(()) or picked(chains, places) != members.chains:
+        return None
+    holders = [joined]
+    if len(places) != len(tensors):
+        others = map(operator.is_not, roots, itertools.repeat(joined))
+        holders += [tensor if root is None else root for tensor, root in itertools.compress(zip(tensors, roots), others)]
+    return holders, places
+
+
+def picked(values, places):
+    """The values at these places, as a tuple."""
+    if len(places) == len(values):
+        return tuple(values)
+    return tuple(operator.itemgetter(*places)(values)) if len(places) > 1 else tuple(values[place] for place in places)
 
 
 _ROOT = operator.attrgetter("_root")
+_CHAIN = operator.attrgetter("_chain")
 
 
 def layout(tensors):
@@ -332,6 +368,7 @@ def flat_parameters(params):
             # The root a parameter aliased (Module.to's result, a tensor given to nn.Parameter)
             # becomes a view of the same span: a script holding it sees the parameter's values,
             # as torch's shared storage would show them, and its array is let go.
+            tensor_module.root_changed()
             old._root, old._chain, old._seen = root, param._chain, -1
             old._value = jax.ShapeDtypeStruct(old._value.shape, old._value.dtype)
     return root
@@ -401,6 +438,7 @@ def release(tensors):
         members = None if root is None else members_of(root)
         if members is not None and members.place(tensor) is not None:
             value = read_value(tensor)
+            tensor_module.root_changed()
             tensor._root, tensor._chain, tensor._value = None, (), value
             tensor._seen = 0
             tensor._generation += 1

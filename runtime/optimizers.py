@@ -47,16 +47,16 @@ join_gradients = _join  # how a flat update joins its gradients (benchmarks/grad
 flat_state, flat_members = flat.flat_state, flat.flat_members
 
 
-def device_step_counts(steps):
+def device_step_counts(root):
     """Step counts held on the device (fused=True, capturable=True: 0-dim tensors), as torch's
-    step advances them by one: (their root, the new counts as Python floats, and `advanced(new
-    counts)`, which writes them once the update program has made them from the root's array,
-    which it takes and returns one higher).
+    step advances them by one, from their flat root (`flat_state` of the step tensors): (the
+    root, the new counts as Python floats, and `advanced(new counts)`, which writes them once
+    the update program has made them from the root's array, which it takes and returns one
+    higher).
 
-    The counts become views into one flat root, which also remembers them on the host: read
-    from the device once (the first step, or after anything else wrote them), then kept, so a
-    step needs no device-to-host copy and sends no counts."""
-    root = flat_state(steps)
+    The root also remembers the counts on the host: read from the device once (the first
+    step, or after anything else wrote them), then kept, so a step needs no device-to-host copy
+    and sends no counts."""
     known = getattr(root, "_host_counts", None)
     if known is not None and known[0] == root._generation:
         counts = known[1]

@@ -143,6 +143,7 @@ class BridgeTensor(torch.Tensor):
             _layout_changed()
         value = read_value(other)
         settle(self)
+        root_changed()
         self._root, self._chain, self._value = None, (), value
         self._generation += 1
         self._index = other._index
@@ -482,6 +483,19 @@ layout_changes = 0
 def _layout_changed():
     global layout_changes
     layout_changes += 1
+
+
+# Counts the changes of an existing bridge tensor's root (`_root`): a member leaving its flat root
+# (runtime/flat.py `release`), `.data =`, a resize, a trace's detaching of packs, swap_tensors.
+# A flat root found holding a list of tensors (flat.holding) holds them while this count stays:
+# an optimizer's update then need not look at its 148 parameters and state tensors each step.
+# (A new tensor made a view or a member, its `_root` set once, changes no one's.)
+root_changes = 0
+
+
+def root_changed():
+    global root_changes
+    root_changes += 1
 
 
 def set_wrapper_layout(target: BridgeTensor, source: torch.Tensor) -> None:

@@ -582,3 +582,43 @@ def test_a_large_group_keeps_separate_state_by_default(monkeypatch):
     assert optimizer_state(SEPARATE_STATE_BYTES + 1) == "separate"
     monkeypatch.setattr(settings, "optimizer_state", "flat")
     assert optimizer_state(SEPARATE_STATE_BYTES + 1) == "flat"
+
+
+REBINDS = {
+    # A state tensor handed another array (`.data =`): it leaves its flat root.
+    "state data": lambda optimizer, net: setattr(optimizer.state[net.fc1.weight]["exp_avg"], "data", torch.full_like(optimizer.state[net.fc1.weight]["exp_avg"], 0.5)),
+    # A state tensor swapped with a new one in place (Module.to's way for tensor subclasses).
+    "state swapped": lambda optimizer, net: torch.utils.swap_tensors(optimizer.state[net.fc1.weight]["exp_avg"], optimizer.state[net.fc1.weight]["exp_avg"] * 0.5),
+    # A parameter handed another array.
+    "parameter data": lambda optimizer, net: setattr(net.fc2.bias, "data", net.fc2.bias.detach() * 2 + 1),
+}
+
+
+@pytest.mark.parametrize("change", list(REBINDS))
+@pytest.mark.parametrize("flags", [{"fused": True}, {"foreach": True}], ids=["fused", "foreach"])
+def test_tensors_given_other_arrays_between_repeated_steps(captured, change, flags):
+    """A repeated step remembers which flat roots hold its parameters and state while no
+    tensor's root changed (runtime.tensor.root_changes). A state tensor or parameter given
+    another array between steps (`.data =`, swap_tensors) is seen: the next steps use and
+    update it, as torch's do."""
+
+    def run(device):
+        torch.manual_seed(0)
+        net = Net() if device == "cpu" else Net().to(device)
+        optimizer = O.AdamW(_groups(net, device), lr=1e-2, **(flags if device != "cpu" else {}))
+        data = torch.Generator().manual_seed(1)
+        for step in range(6):
+            if step == 3:
+                with torch.no_grad():
+                    REBINDS[change](optimizer, net)
+            x = torch.randn(8, 6, generator=data).to(device)
+            optimizer.zero_grad(set_to_none=True)
+            net(x).square().mean().backward()
+            optimizer.step()
+        return net, optimizer
+
+    (reference, opt_ref), (net, optimizer) = run("cpu"), run("cuda")
+    for p_ref, p in zip(reference.parameters(), net.parameters()):
+        torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=2e-5, atol=1e-6)
+    for state, state_ref in zip(optimizer.state.values(), opt_ref.state.values()):
+        _compare_state({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in state.items()}, state_ref)

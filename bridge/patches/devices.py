@@ -336,6 +336,15 @@ def lazy_materialize(wrapped, instance, args, kwargs):
     torch.utils.swap_tensors(instance, value)
 
 
+@wrap(torch.utils, "swap_tensors")
+def swap_tensors(wrapped, instance, args, kwargs):
+    """torch.utils.swap_tensors (Module.to's and load_state_dict(assign=True)'s for tensor
+    subclasses) swaps two tensors' __dict__s, and with them their roots: flat roots found holding
+    tensors must look again (runtime.tensor.root_changes)."""
+    tensor_module.root_changed()
+    return wrapped(*args, **kwargs)
+
+
 @wrap(torch.Tensor, "pin_memory")
 def tensor_pin_memory(wrapped, instance, args, kwargs):
     # Host memory the JAX runtime copies from needs no pinning through torch.

@@ -154,15 +154,22 @@ class _GroupUpdate:
         self.numpy_dtype = np.float32 if dtype == torch.float32 else np.float64
         self.calls = 0  # submits: a second is a step of the same structure (_Replay)
         self.flat_root = None  # the flat root this call's parameters are members of, or None
+        self.holdings = flat.Holdings()  # the flat roots of the parameters and state lists
+        self.found_holders = (None, None)  # (gradients, flat.gradient_holders of them) last asked
 
     def grads_usable(self, grads):
         """Whether these gradients (one per parameter, from p.grad) fit the program (in C loops:
-        a step checks hundreds)."""
+        a step checks hundreds). Where some are the members of one flat root (a fused run's
+        joined gradients: flat.gradient_holders), that root stands for them (its members have its
+        dtype and device) and is remembered for the update's call (_gradient_arguments)."""
         if not all(map(isinstance, grads, itertools.repeat(BridgeTensor))):
             return False
+        found = flat.gradient_holders(grads) if self.flat_root is not None and not self.separate else None
+        self.found_holders = (grads, found)
+        checked = grads if found is None else found[0]
         with torch._C.DisableTorchFunctionSubclass():  # attribute reads skip the subclass check
-            same_dtype = all(map(operator.eq, map(_DTYPE, grads), itertools.repeat(self.dtype)))
-        return same_dtype and all(map(operator.eq, map(_INDEX, grads), itertools.repeat(self.params[0]._index)))
+            same_dtype = all(map(operator.eq, map(_DTYPE, checked), itertools.repeat(self.dtype)))
+        return same_dtype and all(map(operator.eq, map(_INDEX, checked), itertools.repeat(self.params[0]._index)))
 
     def _param_values(self):
         """The parameters' values as the update takes them, and the statics that say how: where
@@ -171,9 +178,9 @@ class _GroupUpdate:
         returns new; else an array each."""
         self.calls += 1
         packable = settings.flat_parameters and not self.separate and not self.shards
-        found = flat.layout(self.params) if packable else None
+        found = self.holdings.get("params", self.params, flat.layout) if packable else None
         if found is None and packable and self.calls >= 2 and flat.flat_parameters(self.params) is not None:
-            found = flat.layout(self.params)
+            found = self.holdings.get("params", self.params, flat.layout)
         if found is None:
             self.flat_root = None
             flat.release(self.params)  # written one by one, each would be written into its flat root
@@ -189,9 +196,11 @@ class _GroupUpdate:
         small gradients, runtime/capture.py `_joined`): that root's one array, then the others'
         arrays, and the members' places (`joined_grads`; None where all are members)."""
         if layout and layout["flat_updated"] is None and not self.separate:
-            found = flat.gradient_holders(grads)
+            (known, found), self.found_holders = self.found_holders, (None, None)  # (not kept: a step's gradients)
+            if known is not grads:  # (not asked by grads_usable for these: a first step's)
+                found = flat.gradient_holders(grads)
             shapes = layout["flat_shapes"]
-            if found is not None and flat.members_of(found[0][0]).shapes == tuple(shapes[place] for place in found[1]):
+            if found is not None and flat.members_of(found[0][0]).shapes == flat.picked(shapes, found[1]):
                 holders, places = found
                 clip, values, clip_values, clip_statics = _clip_arguments(holders)
                 joined = None if len(places) == len(shapes) else places
@@ -203,6 +212,10 @@ class _GroupUpdate:
         holders = self.params if self.flat_root is None else [self.flat_root]
         optimizers.submit(self.kind, held_only_by_their_tensors(holders, values), arguments, statics, finish, now=now)
         capture.fused_steps[self.kind] = capture.fused_steps.get(self.kind, 0) + (now or optimizers.batched() is None)
+
+    def _flat_state(self, kind):
+        """The flat root of the group's state tensors of this kind (their tensors its members)."""
+        return self.holdings.get(kind, self.state[kind], optimizers.flat_state)
 
     def _write_params(self, new_params):
         root = self.flat_root
@@ -263,7 +276,7 @@ class _AdamUpdate(_GroupUpdate):
         else:
             # Step counts on the device (fused=True, capturable=True), their values kept on
             # the host too; the update program advances them.
-            held_counts, counts, advanced = optimizers.device_step_counts(tensors["step"])
+            held_counts, counts, advanced = optimizers.device_step_counts(self._flat_state("step"))
         # As torch computes them, in Python floats: bias corrections, the step size, its sign;
         # sent to the device as one array. (Every parameter has taken as many steps, usually.)
         count = len(counts)
@@ -280,7 +293,7 @@ class _AdamUpdate(_GroupUpdate):
             states = [read_values(held) for held in holders]
         else:
             # The moments as flat arrays: their tensors become views into them (optimizers.flat_state).
-            holders = [optimizers.flat_state(tensors[kind]) for kind in kinds]
+            holders = [self._flat_state(kind) for kind in kinds]
             states = [read_value(root) for root in holders]
         values, layout = self._param_values()
         clip, grad_values, clip_values, clip_statics = self._gradient_arguments(grads, layout if uniform else None)
@@ -361,7 +374,7 @@ class _SGDUpdate(_GroupUpdate):
             held = list(self.buffers)
             state = read_values(held)
         else:
-            held = optimizers.flat_state(self.buffers)
+            held = self.holdings.get("momentum_buffer", self.buffers, optimizers.flat_state)
             state = read_value(held)
         values, layout = self._param_values()
         clip, grad_values, clip_values, clip_statics = self._gradient_arguments(grads, layout)
@@ -710,6 +723,14 @@ def _plain_value(value):
     return isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(item, _PLAIN) for item in value))
 
 
+def _state_reader(kinds):
+    """A function of a parameter's state dict: its tensors of these kinds, as a tuple."""
+    if len(kinds) == 1:
+        kind = kinds[0]
+        return lambda entry: (entry[kind],)
+    return operator.itemgetter(*kinds) if kinds else (lambda entry: ())
+
+
 class _Replay:
     """The last step's group updates of an optimizer, one per parameter group, with what they
     were made from."""
@@ -728,7 +749,11 @@ class _Replay:
             with_grad = tuple(i for i, p in enumerate(params) if id(p) in members)
             hyper = {key: value for key, value in group.items() if key not in ("params", "lr")}
             held = [self.state[p] for p in update.params]
-            self.groups.append((group, params, tuple(params), with_grad, hyper, update, held))
+            # Each parameter's state tensors, kind by kind, as one sequence: checked in one pass
+            # over the state dicts (each read once, rather than once a kind).
+            reader = _state_reader(tuple(update.state))
+            expected = tuple(itertools.chain.from_iterable(zip(*update.state.values())))
+            self.groups.append((group, params, tuple(params), with_grad, hyper, update, (held, reader, expected)))
 
     @classmethod
     def make(cls, optimizer, updates):
@@ -777,9 +802,12 @@ class _Replay:
                 return None
             if not update.grads_usable(grads):
                 return None
-            for key, tensors in update.state.items():
-                if not all(map(operator.is_, map(dict.get, held, itertools.repeat(key)), tensors)):
+            entries, reader, expected = held
+            try:
+                if not all(map(operator.is_, itertools.chain.from_iterable(map(reader, entries)), expected)):
                     return None
+            except KeyError:  # (a state entry deleted)
+                return None
             found.append(grads)
         return found
 
