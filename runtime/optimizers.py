@@ -50,7 +50,7 @@ flat_state, flat_members = flat.flat_state, flat.flat_members
 def device_step_counts(root):
     """Step counts held on the device (fused=True, capturable=True: 0-dim tensors), as torch's
     step advances them by one, from their flat root (`flat_state` of the step tensors): (the
-    root, the new counts as Python floats, and `advanced(new counts)`, which writes them once
+    root, the new counts as a float64 numpy array, and `advanced(new counts)`, which writes them once
     the update program has made them from the root's array, which it takes and returns one
     higher).
 
@@ -61,8 +61,8 @@ def device_step_counts(root):
     if known is not None and known[0] == root._generation:
         counts = known[1]
     else:
-        counts = [float(count) for count in np.asarray(read_value(root))]
-    counts = [count + 1 for count in counts]
+        counts = np.asarray(read_value(root), dtype=np.float64)
+    counts = counts + 1.0
 
     def advanced(value):
         write_value(root, value)

@@ -252,7 +252,7 @@ class _AdamUpdate(_GroupUpdate):
         self.host_counts = None  # on_host: (the step tensors' _versions, their counts, numpy views)
 
     def _advance_host_counts(self, steps):
-        """torch's `step_t += 1` on each host step tensor; returns the new counts. The counts are
+        """torch's `step_t += 1` on each host step tensor; returns the new counts (numpy). The counts are
         kept here and written through numpy views of the tensors' memory (a torch op per tensor
         cost a millisecond for GPT-2's 148); a tensor changed since (its _version moved) is read."""
         versions = list(map(_VERSION, steps))
@@ -266,7 +266,7 @@ class _AdamUpdate(_GroupUpdate):
         for view, count in zip(views, counts):
             view[()] = count
         self.host_counts = (versions, counts, views)
-        return counts.tolist()
+        return counts
 
     def submit(self, grads, lr):
         beta1, beta2 = self.statics["beta1"], self.statics["beta2"]
@@ -277,15 +277,20 @@ class _AdamUpdate(_GroupUpdate):
             # Step counts on the device (fused=True, capturable=True), their values kept on
             # the host too; the update program advances them.
             held_counts, counts, advanced = optimizers.device_step_counts(self._flat_state("step"))
-        # As torch computes them, in Python floats: bias corrections, the step size, its sign;
-        # sent to the device as one array. (Every parameter has taken as many steps, usually.)
+        # As torch computes them, in Python floats (from the counts' numpy array): bias
+        # corrections, the step size, its sign; sent to the device as one array. (Every
+        # parameter has taken as many steps, usually.)
         count = len(counts)
-        uniform = counts.count(counts[0]) == count
+        uniform = bool((counts == counts[0]).all())
+        scalars = np.empty(1 + 2 * count, dtype=self.numpy_dtype)
+        scalars[0] = 1 - lr * self.statics["weight_decay"]
         if uniform:
-            sizes, corrections = [(lr / (1 - beta1 ** counts[0])) * -1] * count, [(1 - beta2 ** counts[0]) ** 0.5] * count
+            first = float(counts[0])
+            scalars[1 : 1 + count], scalars[1 + count :] = (lr / (1 - beta1**first)) * -1, (1 - beta2**first) ** 0.5
         else:
-            sizes, corrections = [(lr / (1 - beta1**c)) * -1 for c in counts], [(1 - beta2**c) ** 0.5 for c in counts]
-        scalars = np.array([1 - lr * self.statics["weight_decay"]] + sizes + corrections, dtype=self.numpy_dtype)
+            counts = counts.tolist()
+            scalars[1 : 1 + count] = [(lr / (1 - beta1**c)) * -1 for c in counts]
+            scalars[1 + count :] = [(1 - beta2**c) ** 0.5 for c in counts]
         kinds = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if self.statics["amsgrad"] else ("exp_avg", "exp_avg_sq")
         if self.separate:
             # Each moment tensor holds its own array, as in torch.
