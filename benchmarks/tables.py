@@ -50,10 +50,11 @@ class ProgramRow:
 PROGRAM_ROWS = (
     ProgramRow(
         "nanoGPT `bench.py` (GPT-2 small, bf16, `AdamW(fused=True)`, two parameter groups)",
-        "real_programs_h200_2026-11-29_4",
+        "real_programs_h200_2026-11-29_5",
         "nanogpt-bench",
     ),
-    ProgramRow("nanoGPT `bench.py`, the run before", "real_programs_h200_2026-11-29_3", "nanogpt-bench"),
+    ProgramRow("nanoGPT `bench.py`, the run before", "real_programs_h200_2026-11-29_4", "nanogpt-bench"),
+    ProgramRow("nanoGPT `bench.py`, another run", "real_programs_h200_2026-11-29_3", "nanogpt-bench"),
     ProgramRow("nanoGPT `bench.py`, another run", "real_programs_h200_2026-11-29", "nanogpt-bench"),
     ProgramRow("nanoGPT `bench.py`, another run", "real_programs_h200_2026-11-28_late", "nanogpt-bench"),
     ProgramRow("nanoGPT `bench.py`, another run", "real_programs_h200_2026-11-28_night", "nanogpt-bench"),
@@ -64,10 +65,11 @@ PROGRAM_ROWS = (
     ProgramRow("nanoGPT `bench.py`, another run", "real_programs_h200_2026-11-27_facts_2", "nanogpt-bench"),
     ProgramRow(
         "HF `Trainer` defaults, GPT-2 6x768 from a config, batch 8x512",
-        "real_programs_h200_2026-11-29_4",
+        "real_programs_h200_2026-11-29_5",
         "hf-trainer",
     ),
-    ProgramRow("HF `Trainer`, the run before", "real_programs_h200_2026-11-29_3", "hf-trainer"),
+    ProgramRow("HF `Trainer`, the run before", "real_programs_h200_2026-11-29_4", "hf-trainer"),
+    ProgramRow("HF `Trainer`, another run", "real_programs_h200_2026-11-29_3", "hf-trainer"),
     ProgramRow("HF `Trainer`, another run", "real_programs_h200_2026-11-29", "hf-trainer"),
     ProgramRow("HF `Trainer`, another run", "real_programs_h200_2026-11-28_flat_parameters", "hf-trainer"),
     ProgramRow("HF `Trainer`, before the parameters were packed", "real_programs_h200_2026-11-28_nanogpt_trainer", "hf-trainer"),
