@@ -1252,7 +1252,7 @@ def run(program, input_tensors, objects=()):
         if array is not None:
             bounds.raise_outside(check, array, where)
     root_values, input_values = _gather(program, input_tensors)
-    key = random.current_key()
+    key = random.key_on(program.index)
     if not program.grad:
         arrays, mutated, written, new_key, guards = program.infer(root_values, input_values, key)
         _check_guards(program, guards)

@@ -740,9 +740,9 @@ def _mapped_plan(func, mapping):
         if rng:
             generator = keywords.get("generator")
             if generator is None:
-                keywords["key"] = random.next_key()
+                keywords["key"] = random.next_key(index)
             else:
-                keywords["key"] = random.generator_key(generator)
+                keywords["key"] = random.generator_key(generator, index)
                 keywords["generator"] = None  # drawn from; the entry only takes the key
         try:
             out = call(values, keywords)

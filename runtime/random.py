@@ -44,6 +44,21 @@ def current_key():
     return _state["key"]
 
 
+def key_on(index):
+    """The generator's key on bridge device `index`: a region's program runs on its tensors'
+    device (a model on `cuda:1`) and takes the key there."""
+    return _on(current_key(), index)
+
+
+def _on(key, index):
+    """The key on bridge device `index`, moved there where it is on another (the stream's key
+    lives on the first device: an op's or program's key must be on its device)."""
+    if index is None or isinstance(key, jax.core.Tracer):
+        return key
+    device = devices.jax_device(index)
+    return key if key.sharding.device_set == {device} else jax.device_put(key, device)
+
+
 def swap_key(key):
     """Make `key` the generator's key and return the one it replaces (None if unseeded yet): a
     captured program's trace draws from its traced key, and a run leaves the key it returns."""
@@ -52,11 +67,12 @@ def swap_key(key):
     return previous
 
 
-def next_key():
-    """A fresh key for one random op; advances the state."""
+def next_key(index=None):
+    """A fresh key for one random op; advances the state. `index`: the bridge device the op
+    runs on, where the key is put."""
     key, sub = jax.random.split(current_key())
     _state["key"] = key
-    return sub
+    return _on(sub, index)
 
 
 def get_state():
@@ -73,7 +89,7 @@ def set_state(state):
     _state["key"] = _placed(jax.random.wrap_key_data(jax.numpy.asarray(data)))
 
 
-def generator_key(generator):
+def generator_key(generator, index=None):
     """A key for one random op called with `generator=`: seeded from 63 bits drawn from that
     torch generator, so the op follows the generator's seed and state, not the global stream.
 
@@ -82,7 +98,7 @@ def generator_key(generator):
     """
     refuse_host_draw_in_trace("a random op")
     seed_value = torch.empty((), dtype=torch.int64, device="cpu").random_(generator=generator).item()
-    return jax.random.key(seed_value)
+    return _on(jax.random.key(seed_value), index)
 
 
 def refuse_host_draw_in_trace(what):

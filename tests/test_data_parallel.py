@@ -106,3 +106,58 @@ def test_data_parallel_over_two_devices_matches_torchs_replicas(mode, tmp_path):
         # The module's region, one program per chunk shape and mode: the 4-row and 3-row chunks
         # of 7 rows, the one-row batch in eval mode.
         assert record["compiles"] == ["Net (train)", "Net (train)", "Net (eval)"], record
+
+
+SECOND_DEVICE = r'''
+import json, sys
+import torch
+
+mode = sys.argv[1]
+torch.manual_seed(0)
+plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+dropped = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5), torch.nn.Linear(8, 2))
+data = [torch.randn(16, 4) for _ in range(3)]
+
+import copy
+import bridge
+bridge.activate(mode=mode)
+from bridge.runtime import capture
+
+def train(net, device):
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    for x in data:
+        opt.zero_grad()
+        loss = net(x.to(device)).square().mean()
+        loss.backward()
+        opt.step()
+    return loss
+
+bridged = copy.deepcopy(plain).to("cuda:1")
+loss = train(bridged, "cuda:1")
+assert loss.device == torch.device("cuda", 1), loss.device
+train(plain, "cpu")
+for p_ref, p in zip(plain.parameters(), bridged.parameters()):
+    assert p.device == torch.device("cuda", 1)
+    torch.testing.assert_close(p.detach().cpu(), p_ref.detach(), rtol=1e-5, atol=1e-6)
+# Random ops on the second device: their values there, usable beside its other tensors.
+noisy = train(dropped.to("cuda:1"), "cuda:1")
+drawn = torch.rand(5, device="cuda:1")
+assert drawn.device == torch.device("cuda", 1) and bool(((drawn >= 0) & (drawn < 1)).all())
+assert bool(torch.isfinite(noisy + drawn.sum()))
+print(json.dumps({"breaks": [str(b)[:300] for b in capture.breaks]}))
+'''
+
+
+@pytest.mark.parametrize("mode", ["eager", "captured"])
+def test_a_model_on_the_second_device_trains_there(mode, tmp_path):
+    """A model moved to `cuda:1` trains there, its random ops (dropout, `torch.rand`) drawing
+    on that device: the random stream's key lives on the first device and is moved to an op's
+    or a region's device (runtime/random.py). Before, their values landed on the first device
+    and the next op refused the mix."""
+    script = tmp_path / "second_device.py"
+    script.write_text(SECOND_DEVICE)
+    done = run_python(str(script), mode, env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    import json
+
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {"breaks": []}
