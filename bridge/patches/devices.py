@@ -9,6 +9,7 @@ import collections
 import gc
 import os
 import time
+import weakref
 
 import jax
 import torch
@@ -23,9 +24,9 @@ from bridge.runtime import tensor as tensor_module
 from bridge.runtime.callsite import user_call_site, warn_at_user_site
 from bridge.runtime.config import settings
 from bridge.runtime.dtypes import TORCH_TO_JAX
-from bridge.runtime.errors import BridgeWarning, DeviceError
+from bridge.runtime.errors import DeviceError
 from bridge.runtime.dispatch import dispatch
-from bridge.runtime.tensor import BridgeTensor, on_host, read_value, to_bridge_autograd, to_numpy, write_value
+from bridge.runtime.tensor import BridgeTensor, on_host, read_value, read_values, to_bridge_autograd, to_numpy, write_values
 
 from . import collect, replace, wrap
 
@@ -174,10 +175,12 @@ def data_parallel_forward(wrapped, instance, args, kwargs):
     device: the inputs go to the module's device, and no Scatter or Gather (autograd Functions
     over torch's C++ communication) stands between the script's region and the module's.
 
-    Over several it computes what torch's replicas compute, one after another on the module's
-    device (_apply_in_turn): torch's scatter, replicate and gather go through CUDA streams and
-    its C++ communication, which bridge tensors do not reach, and replicas made anew each call
-    would compile anew each call. The other devices stay idle (a warning says so once)."""
+    Over several it does what torch's replicas do, on the bridge's devices (_Replicas): chunk
+    i of the batch on device i, through the module with its parameters and buffers copied
+    there; the copies' gradients are brought back and added into the parameters' at the end
+    of the backward, as torch's Broadcast adds its replicas' up. torch's own scatter, replicate
+    and gather go through CUDA streams and its C++ communication, which bridge tensors do not
+    reach. JAX runs each device's programs as they are dispatched: the replicas run at once."""
     from torch.utils import _pytree as pytree
 
     if not instance.device_ids or not isinstance(next(instance.module.parameters(), None), BridgeTensor):
@@ -193,22 +196,21 @@ def data_parallel_forward(wrapped, instance, args, kwargs):
 
         args, kwargs = pytree.tree_map(to_device, (args, kwargs))
         return instance.module(*args, **kwargs)
-    if not _data_parallel_warned:
-        _data_parallel_warned.append(True)
-        warn_at_user_site(
-            f"bridge: nn.DataParallel over devices {list(instance.device_ids)} runs its replicas' work one after "
-            f"another on {device} (the same results as torch's replicas; the other devices stay idle). "
-            "For several devices, use one process per device (DistributedDataParallel).",
-            BridgeWarning,
-        )
     inputs, module_kwargs = _scatter_on(device, args, kwargs, len(instance.device_ids), instance.dim)
     if not inputs and not module_kwargs:
         inputs, module_kwargs = ((),), ({},)
-    outputs = _apply_in_turn(instance.module, inputs, module_kwargs)
+    if len(inputs) == 1:  # (a batch of one row: one chunk, the module itself)
+        outputs = [instance.module(*inputs[0], **module_kwargs[0])]
+        return _gather_to(outputs, instance.output_device, instance.dim)
+    targets = [torch.device(device.type, index) for index in instance.device_ids[1:]]
+    replicas = _replicas.get(instance)
+    if replicas is None or not replicas.serve(instance.module, targets):
+        replicas = _replicas[instance] = _Replicas(instance.module, targets)
+    outputs = replicas.apply(inputs, module_kwargs)
     return _gather_to(outputs, instance.output_device, instance.dim)
 
 
-_data_parallel_warned = []
+_replicas = weakref.WeakKeyDictionary()  # DataParallel -> its _Replicas
 
 
 def _is_namedtuple(value):
@@ -243,26 +245,111 @@ def _scatter_on(device, args, kwargs, count, dim):
     return tuple(inputs), tuple(module_kwargs)
 
 
-def _apply_in_turn(module, inputs, module_kwargs):
-    """The module on each chunk in turn, as torch's replicas would run it: each chunk sees the
-    buffers as they were before the call (torch copies them to every replica first), and only
-    the first chunk's writes to them remain (the first replica's buffers are the module's own;
-    the others' are copies dropped after the call: BatchNorm's running statistics are the first
-    chunk's). Gradients of the parameters add up over the chunks, as torch's replicas' do."""
-    buffers = [buffer for buffer in module.buffers() if isinstance(buffer, BridgeTensor)]
-    before = [read_value(buffer) for buffer in buffers]
-    outputs, first = [], None
-    for position, (chunk, chunk_kwargs) in enumerate(zip(inputs, module_kwargs)):
-        if position == 1:
-            first = [read_value(buffer) for buffer in buffers]
-        if position >= 1:
-            for buffer, value in zip(buffers, before):
-                write_value(buffer, value)
-        outputs.append(module(*chunk, **chunk_kwargs))
-    if first is not None:
-        for buffer, value in zip(buffers, first):
-            write_value(buffer, value)
-    return outputs
+class _Replicas:
+    """A DataParallel module's copies on its other devices (torch's replicate). Each copy of a
+    parameter is a leaf tensor of its own, kept from call to call (a captured region's program is
+    keyed on its state tensors: copies made anew each call would compile it anew), its value
+    refreshed from the parameter at each call; the buffers' copies likewise, refreshed before
+    any replica runs (torch copies them to the replicas first), their writes dropped (the
+    first replica is the module itself, on its own buffers: BatchNorm's running statistics are
+    the first chunk's). At the end of each backward the copies' gradients go to the module's
+    device, one transfer a device, and add into the parameters' (`_reduce`)."""
+
+    def __init__(self, module, targets):
+        self.module, self.targets = module, targets
+        self.params = dict(module.named_parameters(remove_duplicate=False))
+        self.buffers = {name: value for name, value in module.named_buffers(remove_duplicate=False) if isinstance(value, BridgeTensor)}
+        self.unique_params = list({id(value): value for value in self.params.values()}.values())
+        self.unique_buffers = list({id(value): value for value in self.buffers.values()}.values())
+        self.copies = [self._copies(target) for target in targets]  # per device: (params, buffers)
+        self.queued = False
+
+    def _copies(self, target):
+        index = devices.bridge_index(target)
+        params = [_leaf_copy(value, index) for value in self.unique_params]
+        buffers = [BridgeTensor(read_value(value), index) for value in self.unique_buffers]
+        for copy in params:
+            if copy.requires_grad:
+                copy.register_post_accumulate_grad_hook(self._queue)
+        return params, buffers
+
+    def serve(self, module, targets):
+        """Whether these copies are for this module's parameters and buffers as they are now,
+        on these devices."""
+        return (
+            module is self.module
+            and targets == self.targets
+            and _same_tensors(module.named_parameters(remove_duplicate=False), self.params)
+            and _same_tensors(
+                ((name, value) for name, value in module.named_buffers(remove_duplicate=False) if isinstance(value, BridgeTensor)),
+                self.buffers,
+            )
+            and all(copy.requires_grad == value.requires_grad for copy, value in zip(self.copies[0][0], self.unique_params))
+        )
+
+    def apply(self, inputs, module_kwargs):
+        from torch.utils import _pytree as pytree
+
+        param_values, buffer_values = read_values(self.unique_params), read_values(self.unique_buffers)
+        for target, (params, buffers), _ in zip(self.targets, self.copies, inputs[1:]):  # (the devices used)
+            device = devices.jax_device(devices.bridge_index(target))
+            write_values(params, jax.device_put(param_values, device))
+            write_values(buffers, jax.device_put(buffer_values, device))
+        outputs = [self.module(*inputs[0], **module_kwargs[0])]
+        for target, chunk, chunk_kwargs, (params, buffers) in zip(self.targets, inputs[1:], module_kwargs[1:], self.copies):
+
+            def to_target(value):
+                return value.to(target) if isinstance(value, torch.Tensor) else value
+
+            chunk, chunk_kwargs = pytree.tree_map(to_target, (tuple(chunk), dict(chunk_kwargs)))
+            by_id = {id(value): copy for value, copy in zip(self.unique_params + self.unique_buffers, params + buffers)}
+            replica = {name: by_id[id(value)] for name, value in {**self.params, **self.buffers}.items()}
+            outputs.append(torch.func.functional_call(self.module, replica, chunk, chunk_kwargs, strict=False))
+        return outputs
+
+    def _queue(self, _copy):
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._reduce)
+
+    def _reduce(self):
+        """The copies' gradients added into the parameters' (the first replica's, accumulated by
+        autograd) on the module's device: torch's Broadcast backward, a sum over the replicas."""
+        self.queued = False
+        for params, _ in self.copies:
+            moved = [(value, copy.grad) for value, copy in zip(self.unique_params, params) if copy.grad is not None]
+            if not moved:
+                continue
+            owners = [value for value, _ in moved]
+            index = owners[0]._index
+            arrays = jax.device_put(read_values([grad for _, grad in moved]), devices.jax_device(index))
+            for copy in params:
+                copy.grad = None
+            with torch.no_grad():
+                have = [owner for owner in owners if owner.grad is not None]
+                if have:
+                    grads = [owner.grad for owner in have]
+                    sums = _add_all(read_values(grads), [array for owner, array in zip(owners, arrays) if owner.grad is not None])
+                    write_values(grads, sums)
+                for owner, array in zip(owners, arrays):
+                    if owner.grad is None:
+                        owner.grad = BridgeTensor(array, index)
+
+
+def _leaf_copy(value, index):
+    copy = BridgeTensor(jax.device_put(read_value(value), devices.jax_device(index)), index)
+    return copy.requires_grad_(value.requires_grad)
+
+
+def _same_tensors(named, known):
+    """Whether (name, tensor) pairs are exactly `known`'s, by identity and in order."""
+    named = list(named)
+    return len(named) == len(known) and all(
+        name == known_name and value is known_value for (name, value), (known_name, known_value) in zip(named, known.items())
+    )
+
+
+_add_all = jax.jit(lambda values, others: [value + other for value, other in zip(values, others)])
 
 
 def _gather_to(outputs, target, dim):
