@@ -28,7 +28,7 @@ from bridge.runtime.errors import DeviceError
 from bridge.runtime.dispatch import dispatch
 from bridge.runtime.tensor import BridgeTensor, on_host, read_value, read_values, to_bridge_autograd, to_numpy, write_values
 
-from . import collect, replace, wrap
+from . import Patch, collect, replace, wrap
 
 
 def _parse_to(args, kwargs):
@@ -1065,4 +1065,9 @@ def accelerator_empty_cache():
     return None
 
 
-PATCHES = collect(dict(globals())) + _factory_patches() + [_initialized_patch()] + _device_patch()
+# Captured mode makes DataParallel's module's calls the regions, not DataParallel's own: over
+# several devices each replica's call is a program on its device (one region of DataParallel
+# would trace all the chunks into one program on one device).
+_DATA_PARALLEL_WRAPS_REGION = Patch(torch.nn.DataParallel, "bridge_wraps_region", replacement=True)
+
+PATCHES = collect(dict(globals())) + _factory_patches() + [_initialized_patch(), _DATA_PARALLEL_WRAPS_REGION] + _device_patch()
