@@ -7,6 +7,7 @@ torch.device(...)`), and the `torch.cuda` / `torch.accelerator` queries scripts 
 
 import collections
 import gc
+import operator
 import os
 import time
 import weakref
@@ -20,6 +21,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from bridge.runtime import deferred, devices, random
+from bridge.runtime import flat as runtime_flat
 from bridge.runtime import tensor as tensor_module
 from bridge.runtime.callsite import user_call_site, warn_at_user_site
 from bridge.runtime.config import settings
@@ -169,7 +171,7 @@ def _changes_nothing(module, fn):
 
 @wrap(torch.nn.DataParallel, "forward")
 def data_parallel_forward(wrapped, instance, args, kwargs):
-    """nn.DataParallel over bridge devices.
+    """nn.DataParallel over bridge devices (its module's tensors on the first, as torch requires).
 
     Over one device it calls its module directly, as torch does after scattering to that one
     device: the inputs go to the module's device, and no Scatter or Gather (autograd Functions
@@ -183,13 +185,20 @@ def data_parallel_forward(wrapped, instance, args, kwargs):
     reach. JAX runs each device's programs as they are dispatched: the replicas run at once."""
     from torch.utils import _pytree as pytree
 
-    if not instance.device_ids or not isinstance(next(instance.module.parameters(), None), BridgeTensor):
+    if not instance.device_ids:
         return wrapped(*args, **kwargs)
-    for tensor in (*instance.module.parameters(), *instance.module.buffers()):
-        if tensor.device != instance.src_device_obj:
-            return wrapped(*args, **kwargs)  # torch's own error names the tensor's device
     device = instance.src_device_obj
-    if len(instance.device_ids) == 1:
+    targets = [torch.device(device.type, index) for index in instance.device_ids[1:]]
+    replicas = _replicas.get(instance)
+    if replicas is None or not replicas.serve(instance.module, targets):
+        # (checked again only where the module's tensors or their devices changed since)
+        if not isinstance(next(instance.module.parameters(), None), BridgeTensor):
+            return wrapped(*args, **kwargs)
+        for tensor in (*instance.module.parameters(), *instance.module.buffers()):
+            if tensor.device != device:
+                return wrapped(*args, **kwargs)  # torch's own error names the tensor's device
+        replicas = _replicas[instance] = _Replicas(instance.module, targets)
+    if not targets:
 
         def to_device(value):
             return value.to(device) if isinstance(value, torch.Tensor) else value
@@ -199,13 +208,6 @@ def data_parallel_forward(wrapped, instance, args, kwargs):
     inputs, module_kwargs = _scatter_on(device, args, kwargs, len(instance.device_ids), instance.dim)
     if not inputs and not module_kwargs:
         inputs, module_kwargs = ((),), ({},)
-    if len(inputs) == 1:  # (a batch of one row: one chunk, the module itself)
-        outputs = [instance.module(*inputs[0], **module_kwargs[0])]
-        return _gather_to(outputs, instance.output_device, instance.dim)
-    targets = [torch.device(device.type, index) for index in instance.device_ids[1:]]
-    replicas = _replicas.get(instance)
-    if replicas is None or not replicas.serve(instance.module, targets):
-        replicas = _replicas[instance] = _Replicas(instance.module, targets)
     outputs = replicas.apply(inputs, module_kwargs)
     return _gather_to(outputs, instance.output_device, instance.dim)
 
@@ -246,65 +248,78 @@ def _scatter_on(device, args, kwargs, count, dim):
 
 
 class _Replicas:
-    """A DataParallel module's copies on its other devices (torch's replicate). Each copy of a
-    parameter is a leaf tensor of its own, kept from call to call (a captured region's program is
-    keyed on its state tensors: copies made anew each call would compile it anew), its value
-    refreshed from the parameter at each call; the buffers' copies likewise, refreshed before
-    any replica runs (torch copies them to the replicas first), their writes dropped (the
-    first replica is the module itself, on its own buffers: BatchNorm's running statistics are
-    the first chunk's). At the end of each backward the copies' gradients go to the module's
-    device, one transfer a device, and add into the parameters' (`_reduce`)."""
+    """A DataParallel module's replicas on its other devices (torch's replicate), kept from call
+    to call: each is a shallow copy of the module tree (Module._replicate_for_data_parallel, as
+    torch's replicate makes them) whose parameters are leaf tensors on its device and whose
+    buffers are copies there. Kept, a replica's calls are a captured region of their own that
+    compiles once (replicas made anew each call would compile anew), and its walk of the module
+    tree holds. At each call the copies take the module's current values (one transfer per
+    device and dtype, `_moved`); the buffers' writes on a replica are dropped (the first
+    replica is the module itself, on its own buffers: BatchNorm's running statistics are the
+    first chunk's, as in torch). At the end of each backward the copies' gradients go to the
+    module's device and add into the parameters' (`_reduce`), as torch's Broadcast adds its
+    replicas' up."""
 
     def __init__(self, module, targets):
         self.module, self.targets = module, targets
-        self.params = dict(module.named_parameters(remove_duplicate=False))
-        self.buffers = {name: value for name, value in module.named_buffers(remove_duplicate=False) if isinstance(value, BridgeTensor)}
-        self.unique_params = list({id(value): value for value in self.params.values()}.values())
-        self.unique_buffers = list({id(value): value for value in self.buffers.values()}.values())
-        self.copies = [self._copies(target) for target in targets]  # per device: (params, buffers)
+        self.layout_changes = tensor_module.layout_changes
+        self.modules = list(module.modules())
+        self.children, self.members = _submodules(self.modules), _tensor_slots(self.modules)
+        self.params = _unique(tensor for each in self.modules for tensor in each._parameters.values())
+        self.buffers = _unique(
+            tensor for each in self.modules for tensor in each._buffers.values() if isinstance(tensor, BridgeTensor)
+        )
+        self.requires_grad = [param.requires_grad for param in self.params]
+        self.pairs = []  # (module, its replica on one device): train() and eval() reach the replicas
+        self.replicas = [self._replica(target) for target in targets]  # (module, parameter copies, buffer copies)
         self.queued = False
 
-    def _copies(self, target):
+    def _replica(self, target):
         index = devices.bridge_index(target)
-        params = [_leaf_copy(value, index) for value in self.unique_params]
-        buffers = [BridgeTensor(read_value(value), index) for value in self.unique_buffers]
-        for copy in params:
+        params = {id(param): _leaf_copy(param, index) for param in self.params}
+        buffers = {id(buffer): BridgeTensor(read_value(buffer), index) for buffer in self.buffers}
+        made = {id(each): each._replicate_for_data_parallel() for each in self.modules}
+        for each in self.modules:
+            replica = made[id(each)]
+            replica._parameters = {name: None if value is None else params[id(value)] for name, value in each._parameters.items()}
+            replica._buffers = {name: buffers.get(id(value), value) for name, value in each._buffers.items()}
+            replica._modules = {name: None if child is None else made[id(child)] for name, child in each._modules.items()}
+        for copy in params.values():
             if copy.requires_grad:
                 copy.register_post_accumulate_grad_hook(self._queue)
-        return params, buffers
+        self.pairs.extend((each, made[id(each)]) for each in self.modules)
+        return made[id(self.module)], list(params.values()), list(buffers.values())
 
     def serve(self, module, targets):
-        """Whether these copies are for this module's parameters and buffers as they are now,
-        on these devices."""
+        """Whether these replicas are of this module as it is now (the same submodules,
+        parameters, buffers and grad flags), on these devices."""
         return (
             module is self.module
             and targets == self.targets
-            and _same_tensors(module.named_parameters(remove_duplicate=False), self.params)
-            and _same_tensors(
-                ((name, value) for name, value in module.named_buffers(remove_duplicate=False) if isinstance(value, BridgeTensor)),
-                self.buffers,
-            )
-            and all(copy.requires_grad == value.requires_grad for copy, value in zip(self.copies[0][0], self.unique_params))
+            and tensor_module.layout_changes == self.layout_changes  # (a tensor moved to another device)
+            and _same_objects(_submodules(self.modules), self.children)
+            and _same_objects(_tensor_slots(self.modules), self.members)
+            and [param.requires_grad for param in self.params] == self.requires_grad
         )
 
     def apply(self, inputs, module_kwargs):
         from torch.utils import _pytree as pytree
 
-        param_values, buffer_values = read_values(self.unique_params), read_values(self.unique_buffers)
-        for target, (params, buffers), _ in zip(self.targets, self.copies, inputs[1:]):  # (the devices used)
+        for each, replica in self.pairs:
+            replica.training = each.training
+        param_values, buffer_values = read_values(self.params), read_values(self.buffers)
+        for target, (_, params, buffers), _ in zip(self.targets, self.replicas, inputs[1:]):  # (the devices used)
             device = devices.jax_device(devices.bridge_index(target))
-            write_values(params, jax.device_put(param_values, device))
-            write_values(buffers, jax.device_put(buffer_values, device))
-        outputs = [self.module(*inputs[0], **module_kwargs[0])]
-        for target, chunk, chunk_kwargs, (params, buffers) in zip(self.targets, inputs[1:], module_kwargs[1:], self.copies):
+            write_values(params, _moved(param_values, device))
+            write_values(buffers, _moved(buffer_values, device))
+        outputs = [self.module(*inputs[0], **module_kwargs[0])]  # (a batch of one row: only this)
+        for target, chunk, chunk_kwargs, (replica, _, _) in zip(self.targets, inputs[1:], module_kwargs[1:], self.replicas):
 
             def to_target(value):
                 return value.to(target) if isinstance(value, torch.Tensor) else value
 
             chunk, chunk_kwargs = pytree.tree_map(to_target, (tuple(chunk), dict(chunk_kwargs)))
-            by_id = {id(value): copy for value, copy in zip(self.unique_params + self.unique_buffers, params + buffers)}
-            replica = {name: by_id[id(value)] for name, value in {**self.params, **self.buffers}.items()}
-            outputs.append(torch.func.functional_call(self.module, replica, chunk, chunk_kwargs, strict=False))
+            outputs.append(replica(*chunk, **chunk_kwargs))
         return outputs
 
     def _queue(self, _copy):
@@ -316,13 +331,13 @@ class _Replicas:
         """The copies' gradients added into the parameters' (the first replica's, accumulated by
         autograd) on the module's device: torch's Broadcast backward, a sum over the replicas."""
         self.queued = False
-        for params, _ in self.copies:
-            moved = [(value, copy.grad) for value, copy in zip(self.unique_params, params) if copy.grad is not None]
+        for _, params, _ in self.replicas:
+            moved = [(param, copy.grad) for param, copy in zip(self.params, params) if copy.grad is not None]
             if not moved:
                 continue
-            owners = [value for value, _ in moved]
+            owners = [param for param, _ in moved]
             index = owners[0]._index
-            arrays = jax.device_put(read_values([grad for _, grad in moved]), devices.jax_device(index))
+            arrays = _moved(read_values([grad for _, grad in moved]), devices.jax_device(index))
             for copy in params:
                 copy.grad = None
             with torch.no_grad():
@@ -336,17 +351,42 @@ class _Replicas:
                         owner.grad = BridgeTensor(array, index)
 
 
+def _submodules(modules):
+    return [child for each in modules for child in each._modules.values()]
+
+
+def _tensor_slots(modules):
+    return [tensor for each in modules for tensor in (*each._parameters.values(), *each._buffers.values())]
+
+
+def _same_objects(items, others):
+    return len(items) == len(others) and all(map(operator.is_, items, others))
+
+
+def _unique(tensors):
+    """The tensors (None left out), each once, in order."""
+    return list({id(tensor): tensor for tensor in tensors if tensor is not None}.values())
+
+
+def _moved(arrays, device):
+    """The arrays on `device`, in one transfer per dtype: joined into one flat array on their
+    device, moved, and cut on the other (jax.device_put of a list moves them one by one, at about
+    100 us of host time each: ResNet-50's parameters, buffers and gradients made 60 ms a step)."""
+    moved = [None] * len(arrays)
+    groups = {}
+    for position, array in enumerate(arrays):
+        groups.setdefault(array.dtype, []).append(position)
+    for positions in groups.values():
+        group = [arrays[position] for position in positions]
+        flat = jax.device_put(runtime_flat.join_jit(group), device)
+        for position, piece in zip(positions, runtime_flat.split_jit(flat, tuple(tuple(array.shape) for array in group))):
+            moved[position] = piece
+    return moved
+
+
 def _leaf_copy(value, index):
     copy = BridgeTensor(jax.device_put(read_value(value), devices.jax_device(index)), index)
     return copy.requires_grad_(value.requires_grad)
-
-
-def _same_tensors(named, known):
-    """Whether (name, tensor) pairs are exactly `known`'s, by identity and in order."""
-    named = list(named)
-    return len(named) == len(known) and all(
-        name == known_name and value is known_value for (name, value), (known_name, known_value) in zip(named, known.items())
-    )
 
 
 _add_all = jax.jit(lambda values, others: [value + other for value, other in zip(values, others)])
