@@ -493,7 +493,7 @@ def _layout_changed():
 root_changes = 0
 
 
-def root_changed():
+def root_changed() -> None:
     global root_changes
     root_changes += 1
 
