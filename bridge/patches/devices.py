@@ -371,7 +371,8 @@ def _unique(tensors):
 def _moved(arrays, device):
     """The arrays on `device`, in one transfer per dtype: joined into one flat array on their
     device, moved, and cut on the other (jax.device_put of a list moves them one by one, at about
-    100 us of host time each: ResNet-50's parameters, buffers and gradients made 60 ms a step)."""
+    100 us of host time each: ResNet-50's 161 parameters, 159 buffers and 161 gradients made 60 ms
+    a step on a 2-core CPU)."""
     moved = [None] * len(arrays)
     groups = {}
     for position, array in enumerate(arrays):
