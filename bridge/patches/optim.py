@@ -165,7 +165,7 @@ class _GroupUpdate:
         if not all(map(isinstance, grads, itertools.repeat(BridgeTensor))):
             return False
         found = flat.gradient_holders(grads) if self.flat_root is not None and not self.separate else None
-        self.found_holders = (grads, found)
+        self.found_holders = (None, None) if found is None else (grads, found)
         checked = grads if found is None else found[0]
         with torch._C.DisableTorchFunctionSubclass():  # attribute reads skip the subclass check
             same_dtype = all(map(operator.eq, map(_DTYPE, checked), itertools.repeat(self.dtype)))
@@ -195,8 +195,8 @@ class _GroupUpdate:
         gradients are the members of a flat root laid out as those parameters (a fused run's
         small gradients, runtime/capture.py `_joined`): that root's one array, then the others'
         arrays, and the members' places (`joined_grads`; None where all are members)."""
+        (known, found), self.found_holders = self.found_holders, (None, None)  # (not kept: a step's gradients)
         if layout and layout["flat_updated"] is None and not self.separate:
-            (known, found), self.found_holders = self.found_holders, (None, None)  # (not kept: a step's gradients)
             if known is not grads:  # (not asked by grads_usable for these: a first step's)
                 found = flat.gradient_holders(grads)
             shapes = layout["flat_shapes"]
