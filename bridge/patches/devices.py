@@ -7,7 +7,6 @@ torch.device(...)`), and the `torch.cuda` / `torch.accelerator` queries scripts 
 
 import collections
 import gc
-import operator
 import os
 import time
 import weakref
@@ -31,6 +30,7 @@ from bridge.runtime.dispatch import dispatch
 from bridge.runtime.tensor import BridgeTensor, on_host, read_value, read_values, to_bridge_autograd, to_numpy, write_values
 
 from . import Patch, collect, replace, wrap
+from .capture import _children, _members, _same  # (a module tree's slots, as a captured call's walk reads them)
 
 
 def _parse_to(args, kwargs):
@@ -264,7 +264,7 @@ class _Replicas:
         self.module, self.targets = module, targets
         self.layout_changes = tensor_module.layout_changes
         self.modules = list(module.modules())
-        self.children, self.members = _submodules(self.modules), _tensor_slots(self.modules)
+        self.children, self.members = _children(self.modules), _members(self.modules)
         self.params = _unique(tensor for each in self.modules for tensor in each._parameters.values())
         self.buffers = _unique(
             tensor for each in self.modules for tensor in each._buffers.values() if isinstance(tensor, BridgeTensor)
@@ -297,8 +297,8 @@ class _Replicas:
             module is self.module
             and targets == self.targets
             and tensor_module.layout_changes == self.layout_changes  # (a tensor moved to another device)
-            and _same_objects(_submodules(self.modules), self.children)
-            and _same_objects(_tensor_slots(self.modules), self.members)
+            and _same(_children(self.modules), self.children)
+            and _same(_members(self.modules), self.members)
             and [param.requires_grad for param in self.params] == self.requires_grad
         )
 
@@ -349,18 +349,6 @@ class _Replicas:
                 for owner, array in zip(owners, arrays):
                     if owner.grad is None:
                         owner.grad = BridgeTensor(array, index)
-
-
-def _submodules(modules):
-    return [child for each in modules for child in each._modules.values()]
-
-
-def _tensor_slots(modules):
-    return [tensor for each in modules for tensor in (*each._parameters.values(), *each._buffers.values())]
-
-
-def _same_objects(items, others):
-    return len(items) == len(others) and all(map(operator.is_, items, others))
 
 
 def _unique(tensors):
